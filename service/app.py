@@ -1,0 +1,245 @@
+"""The proxy service: wires config, bus, rollout book, providers and the HTTP routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from service import metrics
+from service.admin import admin_router
+from service.bus import EventBus, make_bus
+from service.config import Config, load_config
+from service.errors import openai_error
+from service.proxy import Proxy
+from service.recorder import Recorder
+from service.records import RolloutState
+from service.rollout import RolloutBook
+from service.sampler import ShadowSampler
+from service.tracing import Tracing
+from service.upstream import make_providers
+
+log = logging.getLogger("modelcanary")
+
+CHAT_REQUEST_SCHEMA = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string", "description": "a route name from the config (or a model key)"},
+        "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
+            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]}}}},
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}]},
+        "response_format": {"type": "object"},
+        "user": {"type": "string"},
+        "temperature": {"type": "number"},
+        "max_tokens": {"type": "integer"},
+    },
+}
+ERROR_RESPONSE = {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {
+    "type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["message", "type"]}}}}}}
+
+
+class Runtime:
+    """Everything one proxy process runs."""
+
+    def __init__(self, config: Config, config_path: str | None):
+        self.config = config
+        self.config_path = config_path
+        self.bus: EventBus = make_bus(config.events)
+        kafka = config.events.backend == "kafka"
+        persist = None if kafka else Path(config.state_dir) / "rollouts.json"
+        self.book = RolloutBook(config, persist_path=persist, publish=self._publish_rollout)
+        self.providers = make_providers(config)
+        self.tracing = Tracing(config.tracing)
+        self.sampler = ShadowSampler(config)
+        self.recorder = Recorder(config, self.bus, self.sampler)
+        self.proxy = Proxy(config, self.book, self.providers, self.recorder, self.tracing)
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+
+    def _publish_rollout(self, state: RolloutState) -> None:
+        self.bus.publish("rollouts", state)
+
+    async def start(self) -> None:
+        await self.bus.start()
+        if self.config.events.backend == "kafka":
+            self.tasks.append(asyncio.create_task(self._follow_rollouts(), name="rollouts-follower"))
+        else:
+            try:  # TEMP until controller/shadow land
+                from collectors.shadow import run_workers
+                from service.controller import Controller
+            except ImportError:
+                return
+
+            controller = Controller(self.config, self.bus, self.book, self.config.notify.webhook_url)
+            self.tasks.append(asyncio.create_task(controller.run(self.stop), name="controller"))
+            self.tasks.append(asyncio.create_task(
+                run_workers(self.config, self.bus, self.providers, self.tracing, self.stop), name="shadow-workers"))
+
+    async def _follow_rollouts(self) -> None:
+        sub = self.bus.subscribe(["rollouts"], group=None)
+        try:
+            while not self.stop.is_set():
+                for state in await sub.get_batch(100, 0.5):
+                    if isinstance(state, RolloutState):
+                        self.book.adopt(state)
+        finally:
+            await sub.close()
+
+    async def close(self) -> None:
+        self.stop.set()
+        for task in self.tasks:
+            try:
+                await asyncio.wait_for(task, 5)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()
+            except Exception:
+                log.exception("background task %s failed", task.get_name())
+        await self.bus.close()
+        for provider in self.providers.values():
+            await provider.close()
+        self.tracing.shutdown()
+
+    def reload(self) -> list[str]:
+        if not self.config_path:
+            raise ValueError("the proxy was started without a config file; nothing to reload")
+        config = load_config(self.config_path)
+        for name, cfg in config.providers.items():
+            if name not in self.config.providers or cfg != self.config.providers[name]:
+                old = self.providers.get(name)
+                self.providers[name] = make_providers(config)[name]
+                if old is not None:
+                    asyncio.get_running_loop().create_task(old.close())
+        self.config = config
+        self.sampler.reload(config)
+        self.recorder.reload(config)
+        self.proxy.reload(config)
+        restarted = self.book.reload(config)
+        log.info("config reloaded from %s; new rollouts: %s", self.config_path, restarted or "none")
+        return restarted
+
+
+def create_app(config: Config, config_path: str | None = None) -> FastAPI:
+    runtime = Runtime(config, config_path)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.close()
+
+    app = FastAPI(title="modelcanary", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
+    proxy = runtime.proxy
+
+    @app.post("/v1/chat/completions", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": CHAT_REQUEST_SCHEMA}}}},
+        responses={200: {"description": "chat completion (JSON, or SSE when stream=true)"},
+                   400: ERROR_RESPONSE, 404: ERROR_RESPONSE, 413: ERROR_RESPONSE, 502: ERROR_RESPONSE})
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.chat(request)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "modelcanary"}
+                for name in runtime.config.routes]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/feedback", openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"type": "object", "required": ["success"], "properties": {
+            "request_id": {"type": "string"}, "session_id": {"type": "string"},
+            "success": {"type": "boolean"}, "reason": {"type": "string"}}}}}}},
+        responses={400: ERROR_RESPONSE, 404: ERROR_RESPONSE})
+    async def feedback(request: Request) -> Response:
+        return await _feedback(runtime, request)
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if proxy.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    app.include_router(admin_router(runtime))
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def passthrough(request: Request, path: str) -> Response:
+        return await proxy.passthrough(request, path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return openai_error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return openai_error(400, f"{where}: {first.get('msg', 'invalid request')}", param=where or None)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s %s: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc)
+        return openai_error(500, "internal proxy error", code="proxy_error")
+
+    return app
+
+
+async def _feedback(runtime: Runtime, request: Request) -> Response:
+    from service.proxy import BadRequest
+
+    try:
+        body = runtime.proxy.parse_json(await runtime.proxy.read_body(request))
+        success = body.get("success")
+        if not isinstance(success, bool):
+            raise BadRequest(400, "field 'success' is required and must be a boolean", param="success")
+        request_id, session_id = body.get("request_id"), body.get("session_id")
+        if not isinstance(request_id, str) and not isinstance(session_id, str):
+            raise BadRequest(400, "give 'request_id' (the x-request-id response header) or 'session_id' as a string",
+                             param="request_id")
+        reason = body.get("reason")
+        if reason is not None and not isinstance(reason, str):
+            raise BadRequest(400, "field 'reason' must be a string", param="reason")
+        found = runtime.recorder.served(request_id if isinstance(request_id, str) else None,
+                                        session_id if isinstance(session_id, str) else None)
+        if found is None:
+            raise BadRequest(404, "no recent request with that request_id or session_id on this proxy",
+                             param="request_id", code="request_not_found")
+    except BadRequest as e:
+        return e.response()
+    key, served = found
+    runtime.recorder.feedback(key, served, success, (reason or "")[:500] or None)
+    return JSONResponse({"status": "recorded", "route": served.route, "role": served.role}, status_code=202)
+
+
+def _version() -> str:
+    from service import __version__
+
+    return __version__
+
+
+def create_app_from_env() -> FastAPI:
+    """uvicorn factory for `serve --workers N`: the config path comes from MODELCANARY_CONFIG."""
+    path = os.environ["MODELCANARY_CONFIG"]
+    return create_app(load_config(path), path)

@@ -1,0 +1,40 @@
+"""The event bus extension point: where records go off the hot path (DESIGN §8)."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from service.records import Record
+
+Topic = Literal["outcomes", "traffic", "evaluations", "rollouts"]
+TOPICS: tuple[Topic, ...] = ("outcomes", "traffic", "evaluations", "rollouts")
+
+
+def record_key(topic: Topic, record: Record) -> str:
+    """Key = request_id for outcomes/traffic/evaluations, route for rollouts."""
+    return record.route if topic == "rollouts" else record.request_id
+
+
+class Subscription(Protocol):
+    async def get_batch(self, max_records: int, timeout_s: float) -> list[Record]:
+        """Records not yet returned, oldest first; [] when none arrived within timeout_s."""
+
+    async def commit(self) -> None:
+        """Mark everything returned so far as done (at-least-once: call after the work is written)."""
+
+    async def close(self) -> None: ...
+
+
+class EventBus(Protocol):
+    async def start(self) -> None: ...
+
+    def publish(self, topic: Topic, record: Record) -> None:
+        """Hand a record over. Never blocks the event loop and never raises; drops are counted."""
+
+    def subscribe(self, topics: list[Topic], group: str | None) -> Subscription:
+        """A consumer. `group` shares records among its members (each record to one member, from the
+        oldest uncommitted); `group=None` follows every record from the start of the topic
+        (used for rollouts, where every replica needs every state)."""
+
+    async def close(self) -> None:
+        """Flush what can be flushed within a short time, then stop."""

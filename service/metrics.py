@@ -1,0 +1,118 @@
+"""Prometheus metrics (DESIGN §7). Names, labels and buckets are the contract.
+
+With several workers set PROMETHEUS_MULTIPROC_DIR before this module is imported
+(`modelcanary serve --workers N` does); `/metrics` then aggregates every worker.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+# OpenTelemetry GenAI advice: 0.01 … 81.92 s, doubling.
+DURATION_BUCKETS = tuple(round(0.01 * 2**i, 2) for i in range(14))
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+requests_total = Counter(
+    "modelcanary_requests_total", "Proxied requests by final outcome.",
+    ["route", "model", "role", "segment", "outcome"],
+)
+failures_total = Counter(
+    "modelcanary_failures_total", "Failed requests by cause and blame.",
+    ["route", "model", "role", "cause", "blame"],
+)
+request_duration = Histogram(
+    "modelcanary_request_duration_seconds", "End-to-end request duration as the client saw it.",
+    ["route", "model", "role"], buckets=DURATION_BUCKETS,
+)
+time_to_first_token = Histogram(
+    "modelcanary_time_to_first_token_seconds", "Time to the first streamed chunk.",
+    ["route", "model", "role"], buckets=TTFT_BUCKETS,
+)
+upstream_retries_total = Counter(
+    "modelcanary_upstream_retries_total", "Retries the proxy made upstream.",
+    ["route", "model", "cause"],
+)
+client_retries_total = Counter(
+    "modelcanary_client_retries_total", "Requests recognised as a client's retry.",
+    ["route", "model", "role"],
+)
+tokens_total = Counter(
+    "modelcanary_tokens_total", "Tokens by type (input|output).",
+    ["route", "model", "role", "type"],
+)
+cost_usd_total = Counter(
+    "modelcanary_cost_usd_total", "Spend in US dollars from the models' prices.",
+    ["route", "model", "role"],
+)
+feedback_total = Counter(
+    "modelcanary_feedback_total", "Task outcomes reported through /v1/feedback.",
+    ["route", "model", "role", "outcome"],
+)
+in_flight_requests = Gauge(
+    "modelcanary_in_flight_requests", "Requests being served now.", ["route"], multiprocess_mode="livesum",
+)
+shadow_requests_total = Counter(
+    "modelcanary_shadow_requests_total", "Shadow calls by outcome.", ["route", "model", "outcome"],
+)
+shadow_dropped_total = Counter(
+    "modelcanary_shadow_dropped_total", "Sampled requests not shadowed.", ["route", "reason"],
+)
+shadow_agreement_total = Counter(
+    "modelcanary_shadow_agreement_total", "Answer agreement with the live stable answer.",
+    ["route", "model", "comparison", "result"],
+)
+shadow_evaluations_total = Counter(
+    "modelcanary_shadow_evaluations_total", "Evaluator results on shadow answers.",
+    ["route", "model", "evaluator", "result"],
+)
+rollout_canary_weight = Gauge(
+    "modelcanary_rollout_canary_weight_ratio", "Share of live traffic sent to the candidate.",
+    ["route"], multiprocess_mode="mostrecent",
+)
+rollout_phase = Gauge(
+    "modelcanary_rollout_phase", "1 for the route's current phase.", ["route", "phase"],
+    multiprocess_mode="mostrecent",
+)
+rollout_decisions_total = Counter(
+    "modelcanary_rollout_decisions_total", "Judge decisions.", ["route", "decision"],
+)
+events_published_total = Counter(
+    "modelcanary_events_published_total", "Events delivered to the bus.", ["topic"],
+)
+events_dropped_total = Counter(
+    "modelcanary_events_dropped_total", "Events that could not be kept.", ["topic", "reason"],
+)
+events_spooled = Gauge(
+    "modelcanary_events_spooled", "Events waiting in the local spool.", ["topic"], multiprocess_mode="livesum",
+)
+consumer_lag = Gauge(
+    "modelcanary_consumer_lag", "Records behind the end of the topic, per consumer group.",
+    ["topic", "group"], multiprocess_mode="livesum",
+)
+
+PHASES = ("shadow", "canary", "promoted", "rolled_back", "paused")
+
+
+def set_rollout(route: str, phase: str, weight: float) -> None:
+    rollout_canary_weight.labels(route).set(weight)
+    for p in PHASES:
+        rollout_phase.labels(route, p).set(1.0 if p == phase else 0.0)
+
+
+def exposition() -> tuple[bytes, str]:
+    """The /metrics body, aggregated over workers in multiprocess mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(), CONTENT_TYPE_LATEST

@@ -1,0 +1,111 @@
+"""Outcome and failure attribution (DESIGN §6), shared by live traffic and shadow calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.config import Checks
+from service.segments import wants_json
+from service.verifiers import check_json, check_tool_calls, requested_schema
+
+CAUSE_BLAME: dict[str, str] = {
+    "timeout": "provider",
+    "connection_error": "provider",
+    "rate_limited": "provider",
+    "quota_exceeded": "provider",
+    "provider_5xx": "provider",
+    "bad_response": "provider",
+    "auth_error": "client",
+    "bad_request": "client",
+    "context_length_exceeded": "client",
+    "content_filtered": "model",
+    "refusal": "model",
+    "truncated": "model",
+    "empty_output": "model",
+    "invalid_json": "model",
+    "schema_violation": "model",
+    "invalid_tool_call": "model",
+    "client_cancelled": "client",
+    "proxy_error": "proxy",
+}
+
+# Upstream conditions worth another attempt (DESIGN §5 retry rules).
+RETRYABLE_CAUSES = frozenset({"connection_error", "rate_limited", "provider_5xx"})
+RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    outcome: str  # completed | failed
+    cause: str | None = None
+    blame: str | None = None
+    detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "completed"
+
+
+COMPLETED = Verdict("completed")
+
+
+def failed(cause: str, detail: str | None = None) -> Verdict:
+    return Verdict("failed", cause, CAUSE_BLAME[cause], detail)
+
+
+def error_cause(status: int, body: dict | None) -> str:
+    """Cause of a non-2xx upstream answer, from the status and OpenAI error code."""
+    err = body.get("error") if isinstance(body, dict) else None
+    code = str(err.get("code") or err.get("type") or "") if isinstance(err, dict) else ""
+    if status == 429:
+        return "quota_exceeded" if code in ("insufficient_quota", "quota_exceeded", "billing_hard_limit_reached") else "rate_limited"
+    if status >= 500:
+        return "provider_5xx"
+    if status in (401, 403):
+        return "auth_error"
+    if code == "context_length_exceeded" or "context_length" in code:
+        return "context_length_exceeded"
+    if status == 408:
+        return "timeout"
+    return "bad_request"
+
+
+def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:
+    """Verdict on a successful (2xx) chat completion body, streamed answers reassembled first."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return failed("bad_response", "no choices in the answer")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        return failed("bad_response", "choice without a message")
+    finish = choice.get("finish_reason")
+    content = message.get("content")
+    tool_calls = message.get("tool_calls") or []
+    if finish == "content_filter":
+        return failed("content_filtered")
+    if message.get("refusal"):
+        return failed("refusal", str(message["refusal"])[:200])
+    if finish == "length":
+        return failed("truncated")
+    if tool_calls:
+        if not isinstance(tool_calls, list):
+            return failed("bad_response", "tool_calls is not a list")
+        problem = check_tool_calls(tool_calls, request, checks.require_tool_args_valid)
+        if problem:
+            return failed("invalid_tool_call", problem)
+        return COMPLETED
+    if not content:
+        return failed("empty_output")
+    if wants_json(request) or checks.json_schema is not None:
+        cause, detail = check_json(content, requested_schema(request, checks.json_schema))
+        if cause:
+            return failed(cause, detail)
+    return COMPLETED
+
+
+def classify_other(status: int) -> Verdict:
+    """Verdict for pass-through endpoints: by status only."""
+    if 200 <= status < 300:
+        return COMPLETED
+    return failed(error_cause(status, None))

@@ -1,0 +1,374 @@
+"""The hot path: parse once, pick a model, forward bytes, classify, hand the rest to the Recorder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from service import metrics
+from service.client_retries import RetryDetector
+from service.config import Checks, Config
+from service.errors import error_body, is_openai_error, openai_error
+from service.outcome import COMPLETED, Verdict, classify_chat, classify_other, error_cause, failed
+from service.recorder import Call, Recorder
+from service.rollout import RolloutBook
+from service.routing import pick
+from service.segments import classify_segment
+from service.sse import reassemble
+from service.upstream.base import TransportFailure
+from service.upstream.openai_compatible import OpenAICompatibleProvider
+from service.upstream.retry import RetryBudget, send_with_retries
+
+log = logging.getLogger("modelcanary.proxy")
+
+STREAM_CAPTURE_LIMIT = 8 * 1024 * 1024
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> Response:
+        return openai_error(self.status, self.message, self.code, self.param)
+
+
+class Proxy:
+    def __init__(self, config: Config, book: RolloutBook, providers: dict[str, OpenAICompatibleProvider],
+                 recorder: Recorder, tracing: object | None = None):
+        self.book = book
+        self.providers = providers
+        self.recorder = recorder
+        self.tracing = tracing if getattr(tracing, "enabled", False) else None
+        self.retries = RetryDetector()
+        self.draining = False
+        self.in_flight = 0
+        self.reload(config)
+
+    def reload(self, config: Config) -> None:
+        self.config = config
+        self.budgets = {route: RetryBudget() for route in config.routes}
+        self.budgets.update({model: RetryBudget() for model in config.models})
+        self.client_keys = _client_keys(config)
+
+    # ---- request parsing -------------------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.server.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise BadRequest(400, f"header content-length is not a number: {declared[:40]!r}")
+            if int(declared) > limit:
+                raise BadRequest(413, f"request body of {declared} bytes exceeds server.max_body_bytes ({limit})",
+                                 code="request_too_large")
+            return await request.body()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(413, f"request body exceeds server.max_body_bytes ({limit})", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def parse_json(raw: bytes) -> dict:
+        if not raw:
+            raise BadRequest(400, "request body is empty; send a JSON object")
+        try:
+            body = json.loads(raw)
+        except UnicodeDecodeError:
+            raise BadRequest(400, "request body is not valid UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise BadRequest(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:
+            raise BadRequest(400, "request body is nested too deeply") from None
+        if not isinstance(body, dict):
+            raise BadRequest(400, f"request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    def resolve(self, model_name: object, headers) -> tuple[str, str | None]:
+        """(route or model key, route when it is a route). Raises 404 for unknown names."""
+        if not isinstance(model_name, str) or not model_name:
+            raise BadRequest(400, "field 'model' is required and must be a string naming a route", param="model")
+        if model_name not in self.config.routes and model_name not in self.config.models:
+            raise BadRequest(404, f"The model '{model_name[:100]}' does not exist; known routes: "
+                             f"{', '.join(sorted(self.config.routes))}", param="model", code="model_not_found")
+        if self.client_keys is not None:
+            allowed = self.client_keys.get(_bearer(headers.get("authorization")) or "")
+            if allowed is None:
+                raise BadRequest(401, "missing or unknown client key in the Authorization header",
+                                 code="invalid_api_key")
+            if "*" not in allowed and model_name not in allowed:
+                raise BadRequest(403, f"this client key may not use model '{model_name}'", param="model",
+                                 code="model_not_allowed")
+        return model_name, (model_name if model_name in self.config.routes else None)
+
+    # ---- chat completions ------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        started = time.perf_counter()
+        request_id = os.urandom(12).hex()
+        if self.draining:
+            return openai_error(503, "the proxy is shutting down; retry on another replica", code="draining")
+        try:
+            raw = await self.read_body(request)
+            body = self.parse_json(raw)
+            name, route = self.resolve(body.get("model"), request.headers)
+            if "messages" not in body or not isinstance(body["messages"], list):
+                raise BadRequest(400, "field 'messages' is required and must be an array", param="messages")
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool) and stream is not None:
+                raise BadRequest(400, f"field 'stream' must be a boolean, got {json.dumps(stream)[:40]}", param="stream")
+        except BadRequest as e:
+            return e.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        headers = request.headers
+        session_key = headers.get("x-session-id") or (body.get("user") if isinstance(body.get("user"), str) else None)
+        if route is not None:
+            rc = self.config.routes[route]
+            model_key, role = pick(route, self.book.routing[route], session_key)
+            segment = classify_segment(body, headers.get("x-task-type"), rc.task_types)
+        else:
+            route, model_key, role = name, name, "stable"
+            segment = classify_segment(body)
+        call = Call(request_id=request_id, route=route, model_key=model_key, role=role, segment=segment,
+                    started=started, request=body, session_key=session_key, stream=bool(stream),
+                    no_shadow=headers.get("x-modelcanary-no-shadow") == "1",
+                    traceparent=headers.get("traceparent"))
+        call.client_retry = self.retries.is_retry(headers.get("x-stainless-retry-count"),
+                                                  f"{headers.get('authorization', '')}|{session_key or ''}", raw)
+        model = self.config.models[model_key]
+        provider = self.providers[model.provider]
+        body["model"] = model.name
+        out = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        up_headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"}
+        auth = provider.auth_header(headers.get("authorization"))
+        if auth:
+            up_headers["Authorization"] = auth
+        if self.tracing is not None:
+            call.span = self.tracing.start_call(route=route, role=role, request_model=model.name,  # type: ignore[attr-defined]
+                                                provider=model.provider, traceparent=call.traceparent, stream=call.stream)
+            up_headers.update(call.span.upstream_headers())  # type: ignore[union-attr]
+        elif call.traceparent:
+            up_headers["traceparent"] = call.traceparent
+        body["model"] = name
+
+        self.in_flight += 1
+        metrics.in_flight_requests.labels(route).inc()
+        try:
+            attempt = await send_with_retries(
+                provider, "/chat/completions", out, up_headers, call.stream, self.budgets[route],
+                on_retry=lambda cause, t0, t1: self._on_retry(call, cause, t0, t1),
+                deadline_s=self.config.providers[model.provider].timeout_s,
+            )
+        except asyncio.CancelledError:
+            call.verdict = failed("client_cancelled")
+            self._done(call)
+            raise
+        except Exception:
+            log.exception("proxy error on request %s", request_id)
+            call.verdict = failed("proxy_error")
+            self._done(call)
+            return openai_error(500, "internal proxy error", code="proxy_error", headers=self._headers(call))
+        call.upstream_retries = attempt.retries
+        if attempt.failure is not None:
+            call.verdict = failed(attempt.failure.cause, attempt.failure.detail)
+            status = 504 if attempt.failure.cause == "timeout" else 502
+            call.status = status
+            return self._respond(call, openai_error(status, f"upstream {attempt.failure.detail}",
+                                                    code=attempt.failure.cause, headers=self._headers(call)))
+        reply = attempt.reply
+        assert reply is not None
+        call.status = reply.status
+        if call.stream and reply.status == 200:
+            return StreamingResponse(self._relay(call, reply), status_code=200, media_type="text/event-stream",
+                                     headers=self._headers(call) | SSE_HEADERS)
+        return self._respond(call, self._plain(call, reply))
+
+    def _plain(self, call: Call, reply) -> Response:
+        headers = self._headers(call)
+        for k in ("retry-after",):
+            if k in reply.headers:
+                headers[k] = reply.headers[k]
+        if 200 <= reply.status < 300:
+            try:
+                data = json.loads(reply.body)
+                if not isinstance(data, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                call.verdict = failed("bad_response", "malformed JSON from upstream")
+                call.status = 502
+                return openai_error(502, "upstream returned a malformed response", code="bad_response", headers=headers)
+            call.response = data
+            call.verdict = classify_chat(call.request or {}, data, self._checks(call))
+            if call.verdict.cause == "bad_response":
+                call.status = 502
+                return openai_error(502, f"upstream response is not a chat completion: {call.verdict.detail}",
+                                    code="bad_response", headers=headers)
+            call.finish_reasons = [c.get("finish_reason") for c in data.get("choices", ()) if isinstance(c, dict)
+                                   and c.get("finish_reason")]
+            return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
+        parsed = _json_or_none(reply.body)
+        call.verdict = failed(error_cause(reply.status, parsed))
+        if parsed is not None and is_openai_error(reply.body):
+            return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
+        return openai_error(reply.status, f"upstream answered HTTP {reply.status}", code=call.verdict.cause,
+                            headers=headers)
+
+    async def _relay(self, call: Call, reply):
+        """Forward SSE chunks as they arrive; classify the reassembled answer once the stream ends."""
+        captured: list[bytes] = []
+        size = 0
+        first = True
+        try:
+            async for chunk in reply.chunks():
+                if first:
+                    call.ttft_s = time.perf_counter() - call.started
+                    first = False
+                if size < STREAM_CAPTURE_LIMIT:
+                    captured.append(chunk)
+                    size += len(chunk)
+                yield chunk
+        except TransportFailure as e:
+            call.verdict = failed(e.cause, e.detail)
+            yield b"data: " + error_body(502, f"upstream stream failed: {e.detail}", e.cause) + b"\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            call.verdict = failed("client_cancelled")
+            raise
+        except Exception:
+            log.exception("proxy error while streaming request %s", call.request_id)
+            call.verdict = failed("proxy_error")
+            yield b"data: " + error_body(500, "internal proxy error", "proxy_error") + b"\n\n"
+        finally:
+            reply.release()
+            if call.verdict is None:
+                call.verdict = self._classify_stream(call, b"".join(captured), size >= STREAM_CAPTURE_LIMIT)
+            self._done(call)
+
+    def _classify_stream(self, call: Call, raw: bytes, clipped: bool) -> Verdict:
+        response, saw_done, problem = reassemble(raw)
+        if problem is not None or response is None:
+            return failed("bad_response", problem)
+        call.response = response
+        finish = response["choices"][0].get("finish_reason")
+        call.finish_reasons = [finish] if finish else []
+        if clipped:
+            return COMPLETED
+        if not saw_done and finish is None:
+            return failed("bad_response", "stream ended without a finish_reason or [DONE]")
+        return classify_chat(call.request or {}, response, self._checks(call))
+
+    def _checks(self, call: Call):
+        rc = self.config.routes.get(call.route)
+        return rc.checks if rc is not None else _DEFAULT_CHECKS
+
+    def _on_retry(self, call: Call, cause: str, t0: int, t1: int) -> None:
+        metrics.upstream_retries_total.labels(call.route, call.model_key, cause).inc()
+        if call.span is not None:
+            call.span.retry(call.upstream_retries + 1, cause, t0, t1)  # type: ignore[attr-defined]
+        call.upstream_retries += 1
+
+    def _headers(self, call: Call) -> dict[str, str]:
+        return {"x-request-id": call.request_id, "x-modelcanary-route": call.route,
+                "x-modelcanary-model": call.model_key, "x-modelcanary-role": call.role}
+
+    def _respond(self, call: Call, response: Response) -> Response:
+        response.background = BackgroundTask(self._done, call)
+        return response
+
+    def _done(self, call: Call) -> None:
+        self.in_flight -= 1
+        metrics.in_flight_requests.labels(call.route).dec()
+        call.latency_s = time.perf_counter() - call.started
+        try:
+            self.recorder.finish(call)
+        except Exception:
+            log.exception("could not record request %s", call.request_id)
+
+    # ---- other OpenAI endpoints ------------------------------------------------------------
+    async def passthrough(self, request: Request, path: str) -> Response:
+        started = time.perf_counter()
+        request_id = os.urandom(12).hex()
+        if self.draining:
+            return openai_error(503, "the proxy is shutting down; retry on another replica", code="draining")
+        try:
+            raw = await self.read_body(request) if request.method in ("POST", "PUT", "PATCH") else b""
+            body = self.parse_json(raw) if raw and "json" in request.headers.get("content-type", "json") else None
+            name = body.get("model") if body else request.query_params.get("model")
+            if name is None:
+                if len(self.config.routes) != 1:
+                    raise BadRequest(400, "name a route in 'model' so the proxy knows which provider to use",
+                                     param="model")
+                name = next(iter(self.config.routes))
+            key, route = self.resolve(name, request.headers)
+        except BadRequest as e:
+            return e.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        model_key = self.config.routes[route].stable if route else key
+        model = self.config.models[model_key]
+        provider = self.providers[model.provider]
+        if body is not None:
+            body["model"] = model.name
+            raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        up_headers = {"Content-Type": request.headers.get("content-type", "application/json")}
+        auth = provider.auth_header(request.headers.get("authorization"))
+        if auth:
+            up_headers["Authorization"] = auth
+        call = Call(request_id=request_id, route=route or key, model_key=model_key, role="stable", segment="other",
+                    started=started, request=None)
+        self.in_flight += 1
+        metrics.in_flight_requests.labels(call.route).inc()
+        qs = ("?" + request.url.query) if request.url.query else ""
+        attempt = await send_with_retries(provider, "/" + path + qs, raw, up_headers, False,
+                                          self.budgets[call.route], method=request.method,
+                                          on_retry=lambda cause, t0, t1: self._on_retry(call, cause, t0, t1))
+        call.upstream_retries = attempt.retries
+        if attempt.failure is not None:
+            call.verdict = failed(attempt.failure.cause, attempt.failure.detail)
+            status = 504 if attempt.failure.cause == "timeout" else 502
+            return self._respond(call, openai_error(status, f"upstream {attempt.failure.detail}",
+                                                    code=attempt.failure.cause, headers=self._headers(call)))
+        reply = attempt.reply
+        call.status = reply.status
+        call.verdict = classify_other(reply.status)
+        return self._respond(call, Response(reply.body, status_code=reply.status, headers=self._headers(call),
+                                            media_type=reply.headers.get("content-type", "application/json")))
+
+
+_DEFAULT_CHECKS = Checks()
+
+
+def _json_or_none(raw: bytes) -> dict | None:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _bearer(value: str | None) -> str | None:
+    if value and value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return None
+
+
+def _client_keys(config: Config) -> dict[str, set[str]] | None:
+    """`server.client_keys_env` names a variable holding `key=route1,route2;key2=*`."""
+    env = config.server.client_keys_env
+    if not env:
+        return None
+    spec = os.environ.get(env, "")
+    keys: dict[str, set[str]] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        key, _, routes = entry.partition("=")
+        keys[key.strip()] = {r.strip() for r in routes.split(",") if r.strip()} or {"*"}
+    return keys

@@ -1,0 +1,32 @@
+"""Pick stable or canary for one request: by rollout weight, sticky per session."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from service.rollout import Split
+
+_SCALE = float(1 << 64)
+
+
+def unit_hash(*parts: str) -> float:
+    """A uniform number in [0, 1) from the parts, the same on every replica."""
+    digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / _SCALE
+
+
+def pick(route: str, split: Split, session_key: str | None) -> tuple[str, str]:
+    """(model key, role). A session never flips mid-way unless the weight changes."""
+    if split.canary is None or split.weight <= 0.0:
+        return split.stable, "stable"
+    if split.weight >= 1.0:
+        return split.canary, "canary"
+    u = unit_hash(route, session_key) if session_key else random.random()
+    return (split.canary, "canary") if u < split.weight else (split.stable, "stable")
+
+
+def session_hash(session_key: str | None) -> str | None:
+    if not session_key:
+        return None
+    return hashlib.blake2b(session_key.encode(), digest_size=8).hexdigest()

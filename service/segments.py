@@ -1,0 +1,49 @@
+"""Segment of a chat request (DESIGN §6): one bounded label per request."""
+
+from __future__ import annotations
+
+LONG_CONTEXT_TOKENS = 8000
+CHARS_PER_TOKEN = 4
+
+
+def estimate_tokens(text_chars: int) -> int:
+    return (text_chars + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
+
+
+def message_chars(messages: list) -> int:
+    total = 0
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += len(part["text"])
+    return total
+
+
+def wants_json(body: dict) -> bool:
+    fmt = body.get("response_format")
+    return isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")
+
+
+def classify_segment(body: dict, task_type: str | None = None, task_types: list[str] | tuple = ()) -> str:
+    """`x-task-type` when allowed, else the first of tools, json, long_context, multi_turn, chat."""
+    if task_type and task_type in task_types:
+        return task_type
+    if body.get("tools") or body.get("functions"):
+        return "tools"
+    if wants_json(body):
+        return "json"
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return "chat"
+    if estimate_tokens(message_chars(messages)) > LONG_CONTEXT_TOKENS:
+        return "long_context"
+    user_turns = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "user")
+    if user_turns > 2:
+        return "multi_turn"
+    return "chat"

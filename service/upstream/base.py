@@ -1,0 +1,47 @@
+"""The upstream provider extension point: who actually answers a proxied call."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class UpstreamReply:
+    """A provider's HTTP answer. Non-streamed: `body` holds it all. Streamed: read `chunks()`."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    _stream: AsyncIterator[bytes] | None = None
+    _release: object = field(default=None, repr=False)
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        assert self._stream is not None
+        return self._stream
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()  # type: ignore[operator]
+            self._release = None
+
+
+class TransportFailure(Exception):
+    """No HTTP answer: cause is `timeout` or `connection_error`."""
+
+    def __init__(self, cause: str, detail: str):
+        super().__init__(detail)
+        self.cause = cause
+        self.detail = detail
+
+
+class Provider(Protocol):
+    name: str
+    max_retries: int
+
+    async def send(self, path: str, body: bytes, headers: dict[str, str], stream: bool,
+                   method: str = "POST") -> UpstreamReply:
+        """One attempt. Raises TransportFailure when no HTTP answer arrives."""
+
+    async def close(self) -> None: ...

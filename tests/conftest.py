@@ -1,0 +1,17 @@
+import os
+
+import pytest
+
+os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+
+# Fixture modules, one per real component the suite starts.
+pytest_plugins = [p for p in (
+    "tests.fixtures.servers",
+    "tests.fixtures.broker",
+    "tests.fixtures.prometheus",
+) if os.path.exists(os.path.join(os.path.dirname(__file__), "fixtures", p.rsplit(".", 1)[1] + ".py"))]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
