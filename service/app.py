@@ -77,11 +77,9 @@ class Runtime:
         if self.config.events.backend == "kafka":
             self.tasks.append(asyncio.create_task(self._follow_rollouts(), name="rollouts-follower"))
         else:
-            try:  # TEMP until controller/shadow land
-                from collectors.shadow import run_workers
-                from service.controller import Controller
-            except ImportError:
-                return
+            from collectors.shadow import run_workers
+            from service.controller import Controller
+
 
             controller = Controller(self.config, self.bus, self.book, self.config.notify.webhook_url)
             self.tasks.append(asyncio.create_task(controller.run(self.stop), name="controller"))

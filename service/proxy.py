@@ -29,6 +29,7 @@ from service.upstream.retry import RetryBudget, send_with_retries
 log = logging.getLogger("modelcanary.proxy")
 
 STREAM_CAPTURE_LIMIT = 8 * 1024 * 1024
+DRAIN_LIMIT = 64 * 1024 * 1024
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -67,6 +68,9 @@ class Proxy:
             if not declared.isdigit():
                 raise BadRequest(400, f"header content-length is not a number: {declared[:40]!r}")
             if int(declared) > limit:
+                if int(declared) <= DRAIN_LIMIT:  # read and drop it, so the client sees the 413, not a reset
+                    async for _ in request.stream():
+                        pass
                 raise BadRequest(413, f"request body of {declared} bytes exceeds server.max_body_bytes ({limit})",
                                  code="request_too_large")
             return await request.body()
@@ -281,8 +285,11 @@ class Proxy:
                 "x-modelcanary-model": call.model_key, "x-modelcanary-role": call.role}
 
     def _respond(self, call: Call, response: Response) -> Response:
-        response.background = BackgroundTask(self._done, call)
+        response.background = BackgroundTask(self._done_after_send, call)
         return response
+
+    async def _done_after_send(self, call: Call) -> None:
+        self._done(call)  # async, so Starlette runs it on the loop rather than in a thread
 
     def _done(self, call: Call) -> None:
         self.in_flight -= 1

@@ -90,19 +90,28 @@ class RolloutBook:
         decision = LastDecision(decision=_decision_of(action), reasons=[why], ts=time.time(), by=by)
         return self._commit(self._transition(state, action, decision))
 
-    def decide(self, route: str, decision: LastDecision) -> RolloutState:
-        """Apply a controller decision; a hold (or any verdict in advisory mode) is only recorded."""
+    def decide(self, route: str, decision: LastDecision, report: dict | None = None) -> RolloutState:
+        """Apply a controller decision; a hold (or any verdict in advisory mode) is only recorded.
+
+        `report` (optional) replaces the state's capability matrix in the same commit.
+        """
         state = self.states[route]
         rc = self._config.routes[route]
         if state.phase in TERMINAL or state.phase == "paused" or state.candidate is None:
-            return state
+            return self.set_report(route, report) if report is not None else state
+        extra = {"report": report} if report is not None else {}
         if decision.decision == "hold" or rc.rollout.mode == "advisory":
             prev = state.recommendation
             changed = prev is None or prev.decision != decision.decision
-            updated = state.model_copy(update={"recommendation": decision, "version": state.version + 1})
+            updated = state.model_copy(update={"recommendation": decision, "version": state.version + 1, **extra})
             return self._commit(updated, count=decision.decision if changed else None)
         action: Action = "rollback" if decision.decision == "rollback" else "promote"
-        return self._commit(self._transition(state, action, decision))
+        return self._commit(self._transition(state.model_copy(update=extra), action, decision))
+
+    def set_report(self, route: str, report: dict) -> RolloutState:
+        """Store the controller's latest capability matrix (no decision is counted)."""
+        state = self.states[route]
+        return self._commit(state.model_copy(update={"report": report, "version": state.version + 1}), count=None)
 
     def adopt(self, incoming: RolloutState) -> bool:
         """Follow a state published elsewhere (Kafka mode): newer version of a known route wins."""

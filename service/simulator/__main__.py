@@ -1,0 +1,36 @@
+"""`python -m service.simulator --config FILE [--host H] [--port P]` (the CLI's `simulate` does the same)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from service.config import ConfigError
+from service.simulator.config import load_simulator_config
+from service.simulator.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service.simulator",
+                                     description="OpenAI-compatible simulated LLMs (DESIGN §8b).")
+    parser.add_argument("--config", required=True, help="simulator YAML file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9001, help="0 picks a free port (printed on start)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_simulator_config(args.config)
+    except ConfigError as e:
+        print(f"error: invalid simulator config {e.source}:", file=sys.stderr)
+        for line in e.problems:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    try:
+        serve(config, args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The simulator's config file (DESIGN §8b): pydantic models, loading, clear errors.
+
+A model's behaviour is its base settings, overridden per segment (`segments:`) and,
+as time passes, per phase (`phases:`). Every combination is resolved once at load
+time into an `Effective` (plain floats, ready for the hot path).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from service.config import ConfigError, _describe
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+
+# Order in which failures are drawn and checked: the first one that fires (and applies
+# to the request) wins. Changing this order changes every seeded run, so only append.
+FAILURE_KINDS: tuple[str, ...] = (
+    "auth_error",
+    "quota_exceeded",
+    "rate_limited",
+    "provider_5xx",
+    "timeout",
+    "bad_response",
+    "content_filtered",
+    "refusal",
+    "empty_output",
+    "truncated",
+    "invalid_json",
+    "invalid_tool_call",
+)
+
+# z-score of the 95th percentile of a standard normal
+Z95 = 1.6448536269514722
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Dist(Strict):
+    """A log-normal given by its median and 95th percentile."""
+
+    median: float = Field(ge=0.0)
+    p95: float = Field(ge=0.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Dist:
+        if self.p95 < self.median:
+            raise ValueError(f"p95 ({self.p95}) must be >= median ({self.median})")
+        return self
+
+    @property
+    def mu_sigma(self) -> tuple[float, float]:
+        """(mu, sigma) of the underlying normal; mu is -inf for a median of 0 (always 0)."""
+        if self.median <= 0.0:
+            return -math.inf, 0.0
+        return math.log(self.median), math.log(self.p95 / self.median) / Z95
+
+
+class Failures(Strict):
+    """Probability per request of each failure kind (DESIGN §6 causes)."""
+
+    rate_limited: Probability = 0.0
+    provider_5xx: Probability = 0.0
+    timeout: Probability = 0.0
+    truncated: Probability = 0.0
+    content_filtered: Probability = 0.0
+    refusal: Probability = 0.0
+    empty_output: Probability = 0.0
+    invalid_json: Probability = 0.0
+    invalid_tool_call: Probability = 0.0
+    quota_exceeded: Probability = 0.0
+    auth_error: Probability = 0.0
+    bad_response: Probability = 0.0
+
+
+class FailuresPatch(Strict):
+    """Failures in an override: only the keys given replace the base values."""
+
+    rate_limited: Probability | None = None
+    provider_5xx: Probability | None = None
+    timeout: Probability | None = None
+    truncated: Probability | None = None
+    content_filtered: Probability | None = None
+    refusal: Probability | None = None
+    empty_output: Probability | None = None
+    invalid_json: Probability | None = None
+    invalid_tool_call: Probability | None = None
+    quota_exceeded: Probability | None = None
+    auth_error: Probability | None = None
+    bad_response: Probability | None = None
+
+
+class Overrides(Strict):
+    """Settings a segment or phase may override; distributions are replaced whole."""
+
+    latency_s: Dist | None = None
+    ttft_s: Dist | None = None
+    output_tokens: Dist | None = None
+    context_tokens: int | None = Field(None, gt=0)
+    divergence: Probability | None = None
+    failures: FailuresPatch | None = None
+
+    @field_validator("output_tokens")
+    @classmethod
+    def _at_least_one_token(cls, v: Dist | None) -> Dist | None:
+        if v is not None and v.median < 1:
+            raise ValueError(f"median must be >= 1 token, got {v.median}")
+        return v
+
+
+class Phase(Overrides):
+    """Overrides that apply once `after_s` seconds (wall clock since start) have passed."""
+
+    after_s: float = Field(ge=0.0)
+    segments: dict[str, Overrides] = {}
+
+
+class SimModel(Strict):
+    latency_s: Dist = Dist(median=0.3, p95=0.8)
+    ttft_s: Dist = Dist(median=0.08, p95=0.2)
+    output_tokens: Dist = Dist(median=60, p95=200)
+    context_tokens: int = Field(128000, gt=0)
+    divergence: Probability = 0.0
+    failures: Failures = Failures()
+    segments: dict[str, Overrides] = {}
+    phases: list[Phase] = []
+    embedding_dims: int = Field(256, gt=0, le=8192)
+
+    @field_validator("output_tokens")
+    @classmethod
+    def _at_least_one_token(cls, v: Dist) -> Dist:
+        if v.median < 1:
+            raise ValueError(f"median must be >= 1 token, got {v.median}")
+        return v
+
+    @field_validator("phases")
+    @classmethod
+    def _by_time(cls, v: list[Phase]) -> list[Phase]:
+        return sorted(v, key=lambda p: p.after_s)  # stable: equal after_s keep file order
+
+
+class SimulatorConfig(Strict):
+    seed: int = 42
+    time_scale: float = Field(1.0, ge=0.0)
+    api_key: str | None = None
+    models: dict[str, SimModel]
+
+    @field_validator("models")
+    @classmethod
+    def _non_empty(cls, v: dict[str, SimModel]) -> dict[str, SimModel]:
+        if not v:
+            raise ValueError("needs at least one model")
+        return v
+
+
+@dataclass(frozen=True, slots=True)
+class Effective:
+    """A model's resolved behaviour for one (segment, phase): what the engine reads."""
+
+    latency: tuple[float, float]        # (mu, sigma)
+    ttft: tuple[float, float]
+    output_tokens: tuple[float, float]
+    context_tokens: int
+    divergence: float
+    failures: tuple[float, ...]         # probabilities in FAILURE_KINDS order
+
+
+def _apply(state: dict, o: Overrides) -> None:
+    for name in ("latency_s", "ttft_s", "output_tokens", "context_tokens", "divergence"):
+        value = getattr(o, name)
+        if value is not None:
+            state[name] = value
+    if o.failures is not None:
+        for kind, p in o.failures.model_dump(exclude_none=True).items():
+            state["failures"][kind] = p
+
+
+def resolve(model: SimModel, segment: str | None, phases_passed: int) -> Effective:
+    """Base, then the segment's overrides, then each passed phase (and its segment overrides)."""
+    state: dict = {
+        "latency_s": model.latency_s,
+        "ttft_s": model.ttft_s,
+        "output_tokens": model.output_tokens,
+        "context_tokens": model.context_tokens,
+        "divergence": model.divergence,
+        "failures": model.failures.model_dump(),
+    }
+    if segment is not None and segment in model.segments:
+        _apply(state, model.segments[segment])
+    for phase in model.phases[:phases_passed]:
+        _apply(state, phase)
+        if segment is not None and segment in phase.segments:
+            _apply(state, phase.segments[segment])
+    return Effective(
+        latency=state["latency_s"].mu_sigma,
+        ttft=state["ttft_s"].mu_sigma,
+        output_tokens=state["output_tokens"].mu_sigma,
+        context_tokens=state["context_tokens"],
+        divergence=state["divergence"],
+        failures=tuple(state["failures"][k] for k in FAILURE_KINDS),
+    )
+
+
+def parse_simulator_config(data: object, source: str = "simulator config") -> SimulatorConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(source, [f"(top level): must be a mapping of keys, got {type(data).__name__}"])
+    try:
+        return SimulatorConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(source, _describe(e)) from None
+
+
+def load_simulator_config(path: str | os.PathLike) -> SimulatorConfig:
+    """Read and validate a simulator YAML file; raise ConfigError with 'field.path: reason' lines."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(p), ["file not found"]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(str(p), [f"cannot read file: {e}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(str(p), [f"(yaml) {where}{problem}"]) from None
+    return parse_simulator_config(data, str(p))

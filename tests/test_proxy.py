@@ -1,0 +1,437 @@
+"""The proxy core through the official openai SDK, against a real simulator (issue 2)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import time
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+
+from tests.fixtures.servers import SIM_MODEL, metric_value, proxy_config, scrape, sim_config
+
+TOKEN = "admin-secret-for-tests"
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+    "required": ["city"]}}}
+
+
+def failing_model(**failures) -> dict:
+    m = copy.deepcopy(SIM_MODEL)
+    m["failures"] = failures
+    return m
+
+
+@pytest.fixture
+def stack(servers):
+    sim = servers.simulator()
+    cfg = proxy_config(sim.url)
+    proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
+    return sim, proxy, client
+
+
+def admin(proxy, method: str, path: str, token: str | None = TOKEN) -> tuple[int, dict]:
+    req = urllib.request.Request(proxy.url + path, method=method, data=b"" if method == "POST" else None)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post_raw(proxy, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_plain_stream_tools_and_json(stack):
+    _, proxy, client = stack
+    raw = client.chat.completions.with_raw_response.create(
+        model="support-bot", messages=[{"role": "user", "content": "What is my balance?"}])
+    assert raw.headers["x-modelcanary-route"] == "support-bot"
+    assert raw.headers["x-modelcanary-model"] == "stable-m"
+    assert raw.headers["x-modelcanary-role"] == "stable"
+    assert len(raw.headers["x-request-id"]) >= 16
+    reply = raw.parse()
+    assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
+
+    chunks = list(client.chat.completions.create(
+        model="support-bot", messages=[{"role": "user", "content": "Tell me a story"}], stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert not chunks[-1].choices
+
+    tool_reply = client.chat.completions.create(
+        model="support-bot", messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER_TOOL], tool_choice="required")
+    call = tool_reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert "city" in json.loads(call.function.arguments)
+
+    streamed_tool = list(client.chat.completions.create(
+        model="support-bot", messages=[{"role": "user", "content": "Weather in Rome?"}],
+        tools=[WEATHER_TOOL], tool_choice="required", stream=True))
+    args = "".join(c.choices[0].delta.tool_calls[0].function.arguments or "" for c in streamed_tool
+                   if c.choices and c.choices[0].delta.tool_calls)
+    assert "city" in json.loads(args)
+
+    json_reply = client.chat.completions.create(
+        model="support-bot", messages=[{"role": "user", "content": "Give me JSON"}],
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(json_reply.choices[0].message.content), dict)
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    schema_reply = client.chat.completions.create(
+        model="support-bot", messages=[{"role": "user", "content": "Structured please"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    data = json.loads(schema_reply.choices[0].message.content)
+    assert set(data) == {"answer", "n"}
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["support-bot"]
+
+    text = scrape(proxy.url)
+    for segment in ("chat", "tools", "json"):
+        assert metric_value(text, "modelcanary_requests_total", route="support-bot", segment=segment,
+                            outcome="completed") >= 1, segment
+    assert metric_value(text, "modelcanary_tokens_total", route="support-bot", type="output") > 0
+    assert metric_value(text, "modelcanary_cost_usd_total", route="support-bot") > 0
+    assert metric_value(text, "modelcanary_time_to_first_token_seconds_count", route="support-bot") >= 2
+
+
+def test_client_errors_are_openai_shaped(stack):
+    _, proxy, client = stack
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-route", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found"
+    assert "no-such-route" in e.value.message
+
+    status, body = post_raw(proxy, b'{"model": "support-bot", "messages": [')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = post_raw(proxy, b'{"model": "support-bot", "messages": "hi"}')
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, body = post_raw(proxy, b'{"model": "support-bot", "messages": [], "stream": "yes"}')
+    assert status == 400 and body["error"]["param"] == "stream"
+    status, body = post_raw(proxy, b'[1, 2]')
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body = post_raw(proxy, b'{"model": "support-bot", "messages": [{"role": "user", "content": "\xff\xfe"}]}')
+    assert status == 400 and "UTF-8" in body["error"]["message"]
+
+    big = b'{"model": "support-bot", "messages": [{"role": "user", "content": "' + b"a" * (11 * 1024 * 1024) + b'"}]}'
+    status, body = post_raw(proxy, big)
+    assert status == 413 and "max_body_bytes" in body["error"]["message"]
+    # the proxy keeps serving after refusing input
+    assert client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "ok"}])
+
+
+CAUSE_MODELS = {
+    "rate_limited": ({"rate_limited": 1.0}, openai.RateLimitError, "provider"),
+    "quota_exceeded": ({"quota_exceeded": 1.0}, openai.RateLimitError, "provider"),
+    "provider_5xx": ({"provider_5xx": 1.0}, openai.InternalServerError, "provider"),
+    "auth_error": ({"auth_error": 1.0}, openai.AuthenticationError, "client"),
+    "bad_response": ({"bad_response": 1.0}, openai.APIStatusError, "provider"),
+    "truncated": ({"truncated": 1.0}, None, "model"),
+    "content_filtered": ({"content_filtered": 1.0}, None, "model"),
+    "refusal": ({"refusal": 1.0}, None, "model"),
+    "empty_output": ({"empty_output": 1.0}, None, "model"),
+    "invalid_json": ({"invalid_json": 1.0}, None, "model"),
+    "invalid_tool_call": ({"invalid_tool_call": 1.0}, None, "model"),
+}
+
+
+def test_every_cause_reaches_metrics_with_its_blame(servers):
+    models = {"good-model": copy.deepcopy(SIM_MODEL)}
+    models.update({f"m-{cause}": failing_model(**failures) for cause, (failures, _, _) in CAUSE_MODELS.items()})
+    tiny = failing_model()
+    tiny["context_tokens"] = 50
+    models["m-context"] = tiny
+    sim = servers.simulator(sim_config(models))
+    cfg = proxy_config(sim.url)
+    cfg["providers"]["sim"]["max_retries"] = 0
+    cfg["models"].update({f"m-{c}": {"provider": "sim", "name": f"m-{c}"} for c in CAUSE_MODELS})
+    cfg["models"]["m-context"] = {"provider": "sim", "name": "m-context"}
+    cfg["routes"]["schema-route"] = {"stable": "m-truncated", "checks": {"json_schema": {
+        "type": "object", "required": ["impossible_field"]}}}
+    cfg["models"]["m-plain"] = {"provider": "sim", "name": "good-model"}
+    cfg["routes"]["schema-route"]["stable"] = "m-plain"
+    proxy = servers.proxy(cfg)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
+
+    for cause, (_, exc, _) in CAUSE_MODELS.items():
+        kwargs: dict = {"model": f"m-{cause}", "messages": [{"role": "user", "content": f"hello {cause}"}]}
+        if cause == "invalid_json":
+            kwargs["response_format"] = {"type": "json_object"}
+        if cause == "invalid_tool_call":
+            kwargs["tools"] = [WEATHER_TOOL]
+            kwargs["tool_choice"] = "required"
+        if exc is None:
+            client.chat.completions.create(**kwargs)  # model failures still reach the client as answers
+        else:
+            with pytest.raises(exc) as e:
+                client.chat.completions.create(**kwargs)
+            assert isinstance(e.value.body, dict) and "message" in e.value.body, cause
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m-context", messages=[{"role": "user", "content": "x" * 1000}])
+    assert e.value.code == "context_length_exceeded"
+    client.chat.completions.create(model="schema-route", messages=[{"role": "user", "content": "json"}],
+                                   response_format={"type": "json_object"})
+
+    text = scrape(proxy.url)
+    for cause, (_, _, blame) in CAUSE_MODELS.items():
+        assert metric_value(text, "modelcanary_failures_total", model=f"m-{cause}", cause=cause, blame=blame) == 1, cause
+        assert metric_value(text, "modelcanary_requests_total", model=f"m-{cause}", outcome="failed") == 1, cause
+    assert metric_value(text, "modelcanary_failures_total", model="m-context", cause="context_length_exceeded",
+                        blame="client") == 1
+    assert metric_value(text, "modelcanary_failures_total", route="schema-route", cause="schema_violation",
+                        blame="model") == 1
+
+
+def test_timeout_and_connection_error(servers):
+    models = {"good-model": copy.deepcopy(SIM_MODEL), "hang": failing_model(timeout=1.0)}
+    sim = servers.simulator(sim_config(models))
+    cfg = proxy_config(sim.url)
+    cfg["providers"]["sim"]["timeout_s"] = 1
+    cfg["providers"]["dead"] = {"base_url": "http://127.0.0.1:9/v1", "max_retries": 1, "connect_timeout_s": 1}
+    cfg["models"]["hang"] = {"provider": "sim", "name": "hang"}
+    cfg["models"]["nowhere"] = {"provider": "dead", "name": "x"}
+    proxy = servers.proxy(cfg)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0, timeout=10)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="hang", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 504 and time.monotonic() - t0 < 2.5
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="nowhere", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 502
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_failures_total", model="hang", cause="timeout", blame="provider") == 1
+    assert metric_value(text, "modelcanary_failures_total", model="nowhere", cause="connection_error",
+                        blame="provider") == 1
+    assert metric_value(text, "modelcanary_upstream_retries_total", model="nowhere", cause="connection_error") == 1
+
+
+def _within_binomial(k: int, n: int, p: float) -> bool:
+    if p in (0.0, 1.0):
+        return k == round(n * p)
+    sd = math.sqrt(n * p * (1 - p))
+    return abs(k - n * p) <= 4.5 * sd
+
+
+async def _count_canary(url: str, n: int, session_prefix: str | None) -> int:
+    sem = asyncio.Semaphore(16)
+    async with aiohttp.ClientSession() as s:
+        async def one(i: int) -> bool:
+            headers = {"x-session-id": f"{session_prefix}-{i}"} if session_prefix else {}
+            body = {"model": "support-bot", "messages": [{"role": "user", "content": f"hi {session_prefix} {i}"}]}
+            async with sem, s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                return r.headers["x-modelcanary-role"] == "canary"
+        return sum(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def test_weighted_split_and_stickiness(servers):
+    sim = servers.simulator()
+    cfg = proxy_config(sim.url, rollout={"steps": [10, 50, 100], "min_step_seconds": 3600, "mode": "advisory",
+                                         "max_step_seconds": 7200, "min_shadow_samples": 10**9,
+                                         "min_samples_per_step": 10**9})
+    proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+    n = 1000
+    for weight in (0.0, 0.10, 0.50, 1.00):
+        status, state = admin(proxy, "GET", "/admin/rollouts/support-bot")
+        assert status == 200 and math.isclose(state["canary_weight"], weight), state
+        k = asyncio.run(_count_canary(proxy.url, n, session_prefix=None))
+        assert _within_binomial(k, n, weight), (weight, k)
+        k_sessions = asyncio.run(_count_canary(proxy.url, n, session_prefix=f"w{weight}"))
+        assert _within_binomial(k_sessions, n, weight), (weight, k_sessions)
+        if weight == 0.50:
+            async def sticky() -> set[str]:
+                roles = set()
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(1000):
+                        async with s.post(proxy.url + "/v1/chat/completions", headers={"x-session-id": "one-user"},
+                                          json={"model": "support-bot", "messages": [{"role": "user", "content": "a"}]}) as r:
+                            await r.read()
+                            roles.add(r.headers["x-modelcanary-model"])
+                return roles
+            assert len(asyncio.run(sticky())) == 1
+        if weight < 1.0:
+            status, _ = admin(proxy, "POST", "/admin/rollouts/support-bot/promote")
+            assert status == 200
+
+
+def test_admin_auth_and_actions(stack):
+    _, proxy, _ = stack
+    assert admin(proxy, "GET", "/admin/rollouts", token=None)[0] == 401
+    assert admin(proxy, "GET", "/admin/rollouts", token="wrong")[0] == 403
+    status, body = admin(proxy, "POST", "/admin/rollouts/unknown-route/promote")
+    assert status == 404 and "unknown-route" in body["error"]["message"]
+    status, state = admin(proxy, "POST", "/admin/rollouts/support-bot/pause")
+    assert status == 200 and state["phase"] == "paused"
+    assert admin(proxy, "POST", "/admin/rollouts/support-bot/promote")[0] == 409
+    status, state = admin(proxy, "POST", "/admin/rollouts/support-bot/resume")
+    assert state["phase"] == "shadow"
+    status, state = admin(proxy, "POST", "/admin/rollouts/support-bot/promote")
+    assert state["phase"] == "canary" and state["step_index"] == 0 and state["canary_weight"] == 0.01
+    status, state = admin(proxy, "POST", "/admin/rollouts/support-bot/rollback")
+    assert state["phase"] == "rolled_back" and state["canary_weight"] == 0
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_rollout_phase", route="support-bot", phase="rolled_back") == 1
+    assert metric_value(text, "modelcanary_rollout_canary_weight_ratio", route="support-bot") == 0
+    assert TOKEN not in proxy.output()
+
+
+def test_admin_refuses_everything_without_configured_token(servers):
+    sim = servers.simulator()
+    proxy = servers.proxy(proxy_config(sim.url), env={"MODELCANARY_ADMIN_TOKEN": ""})
+    assert admin(proxy, "GET", "/admin/rollouts", token="anything")[0] == 403
+
+
+def test_upstream_retries_and_budget(servers):
+    models = {"good-model": copy.deepcopy(SIM_MODEL), "flaky": failing_model(rate_limited=0.5),
+              "down": failing_model(provider_5xx=1.0)}
+    sim = servers.simulator(sim_config(models))
+    cfg = proxy_config(sim.url)
+    cfg["providers"]["sim"]["max_retries"] = 3
+    cfg["models"]["flaky"] = {"provider": "sim", "name": "flaky"}
+    cfg["models"]["down"] = {"provider": "sim", "name": "down"}
+    proxy = servers.proxy(cfg)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+    for i in range(20):
+        try:
+            client.chat.completions.create(model="flaky", messages=[{"role": "user", "content": f"q{i}"}])
+        except openai.RateLimitError:
+            pass  # all attempts were 429s, or the budget ran out
+    text = scrape(proxy.url)
+    retried = metric_value(text, "modelcanary_upstream_retries_total", model="flaky", cause="rate_limited")
+    assert retried >= 3  # half the first attempts are 429s, and the answers still arrive
+    assert metric_value(text, "modelcanary_requests_total", model="flaky", outcome="completed") >= 15
+
+    n = 200
+    for i in range(n):
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model="down", messages=[{"role": "user", "content": f"d{i}"}])
+    text = scrape(proxy.url)
+    retries = metric_value(text, "modelcanary_upstream_retries_total", model="down")
+    assert retries <= 0.2 * n + 3 * 3, retries  # 20% of requests plus the reserve per window
+    assert retries >= 3
+
+
+def test_stream_never_retried_after_first_byte(servers):
+    models = {"good-model": copy.deepcopy(SIM_MODEL), "breaks": failing_model(bad_response=1.0)}
+    sim = servers.simulator(sim_config(models))
+    cfg = proxy_config(sim.url)
+    cfg["models"]["breaks"] = {"provider": "sim", "name": "breaks"}
+    proxy = servers.proxy(cfg)
+
+    async def read_stream() -> bytes:
+        async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json={
+                "model": "breaks", "stream": True, "messages": [{"role": "user", "content": "go"}]}) as r:
+            assert r.status == 200
+            return await r.read()
+
+    body = asyncio.run(read_stream())
+    assert b'"error"' in body  # the stream ends with an SSE error event
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_upstream_retries_total", model="breaks") == 0
+    assert metric_value(text, "modelcanary_requests_total", model="breaks", outcome="failed") == 1
+
+
+def test_client_disconnect_mid_stream_is_client_cancelled(servers):
+    slow = copy.deepcopy(SIM_MODEL)
+    slow.update({"latency_s": {"median": 3.0, "p95": 3.5}, "ttft_s": {"median": 0.05, "p95": 0.1},
+                 "output_tokens": {"median": 200, "p95": 300}})
+    sim = servers.simulator(sim_config({"good-model": slow, "new-model": slow}, time_scale=1.0))
+    proxy = servers.proxy(proxy_config(sim.url))
+
+    async def hang_up() -> None:
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(proxy.url + "/v1/chat/completions", json={
+                "model": "support-bot", "stream": True, "messages": [{"role": "user", "content": "long story"}]})
+            await r.content.readany()
+            r.close()
+
+    asyncio.run(hang_up())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        text = scrape(proxy.url)
+        if metric_value(text, "modelcanary_failures_total", cause="client_cancelled", blame="client") == 1:
+            break
+        time.sleep(0.1)
+    assert metric_value(text, "modelcanary_failures_total", cause="client_cancelled", blame="client") == 1
+    assert "Traceback" not in proxy.output() and "ERROR" not in proxy.output()
+
+
+def test_feedback_and_passthrough(stack):
+    _, proxy, client = stack
+    raw = client.chat.completions.with_raw_response.create(
+        model="support-bot", messages=[{"role": "user", "content": "book it"}], extra_headers={"x-session-id": "s1"})
+    rid = raw.headers["x-request-id"]
+    req = urllib.request.Request(proxy.url + "/v1/feedback", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"request_id": rid, "success": False, "reason": "wrong date"}).encode())
+    with urllib.request.urlopen(req) as r:
+        assert r.status == 202
+    req = urllib.request.Request(proxy.url + "/v1/feedback", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"session_id": "s1", "success": True}).encode())
+    with urllib.request.urlopen(req) as r:
+        assert r.status == 202
+    req = urllib.request.Request(proxy.url + "/v1/feedback", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"request_id": "nope", "success": "yes"}).encode())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "success"
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_feedback_total", route="support-bot", outcome="failure") == 1
+    assert metric_value(text, "modelcanary_feedback_total", route="support-bot", outcome="success") == 1
+
+    emb = client.embeddings.create(model="support-bot", input="hello")
+    assert len(emb.data[0].embedding) > 0
+    legacy = client.completions.create(model="support-bot", prompt="Say hi")
+    assert legacy.choices[0].text
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_requests_total", route="support-bot", segment="other",
+                        outcome="completed") == 2
+
+
+def test_client_retry_detection(stack):
+    _, proxy, client = stack
+    body = {"model": "support-bot", "messages": [{"role": "user", "content": "same question"}]}
+    status, _ = post_raw(proxy, json.dumps(body).encode())
+    status, _ = post_raw(proxy, json.dumps(body).encode())  # the same request again: a retry
+    status, _ = post_raw(proxy, json.dumps({**body, "messages": [{"role": "user", "content": "other"}]}).encode(),
+                         headers={"x-stainless-retry-count": "1"})
+    assert status == 200
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_client_retries_total", route="support-bot") == 2
+
+
+def test_upstream_key_from_env_and_client_key_passthrough(servers):
+    sim = servers.simulator(sim_config(api_key="sim-secret-key"))
+    cfg = proxy_config(sim.url)
+    proxy_with_key = servers.proxy({**cfg, "providers": {"sim": {**cfg["providers"]["sim"], "api_key_env": "SIM_KEY"}}},
+                                   name="p1", env={"SIM_KEY": "sim-secret-key"})
+    ok = openai.OpenAI(base_url=proxy_with_key.url + "/v1", api_key="whatever", max_retries=0)
+    assert ok.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "x"}])
+    passthrough = servers.proxy(cfg, name="p2")
+    good = openai.OpenAI(base_url=passthrough.url + "/v1", api_key="sim-secret-key", max_retries=0)
+    assert good.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "x"}])
+    bad = openai.OpenAI(base_url=passthrough.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "x"}])
+    assert "sim-secret-key" not in proxy_with_key.output() + passthrough.output()
