@@ -1,0 +1,335 @@
+"""`modelcanary demo`: simulator + proxy (embedded mode) + mixed traffic + a live view of the rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "demo"
+ROUTE = "support-bot"
+MAX_UNATTENDED_S = 180.0
+TOOLS = [
+    {"type": "function", "function": {"name": "lookup_order", "description": "Find an order", "parameters": {
+        "type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}},
+    {"type": "function", "function": {"name": "issue_refund", "description": "Refund an order", "parameters": {
+        "type": "object", "properties": {"order_id": {"type": "string"}, "amount": {"type": "number"}},
+        "required": ["order_id", "amount"]}}},
+]
+TOPICS = ["my invoice", "a refund", "my password", "the delivery date", "an upgrade", "a duplicate charge"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _request(i: int, rng: random.Random) -> tuple[dict, dict]:
+    """One request of the mix: chat, multi-turn, JSON, tools, streaming, a billing task."""
+    topic = rng.choice(TOPICS)
+    headers = {"x-session-id": f"user-{rng.randrange(400)}"}
+    body: dict = {"model": ROUTE, "messages": [{"role": "user", "content": f"Question {i}: help me with {topic}."}]}
+    kind = rng.random()
+    if kind < 0.25:
+        body["tools"] = TOOLS
+    elif kind < 0.40:
+        body["response_format"] = {"type": "json_object"}
+        body["messages"][0]["content"] += " Answer in JSON."
+    elif kind < 0.52:
+        body["messages"] = [
+            {"role": "user", "content": f"Conversation {i}: hello"}, {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": f"I need help with {topic}"}, {"role": "assistant", "content": "Sure."},
+            {"role": "user", "content": "What should I do next?"}]
+    elif kind < 0.60:
+        headers["x-task-type"] = "billing"
+    if rng.random() < 0.2 and "tools" not in body:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body, headers
+
+
+@dataclass
+class Roll:
+    phase: str = "shadow"
+    weight: float = 0.0
+    step: int = -1
+    decision: str = "hold"
+    reasons: list[str] = field(default_factory=list)
+    history: list[str] = field(default_factory=list)
+    version: int = -1
+
+
+async def _traffic(url: str, stop: asyncio.Event, rate: float, sent: list[int]) -> None:
+    rng = random.Random(7)
+    sem = asyncio.Semaphore(64)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def one(i: int) -> None:
+            body, headers = _request(i, rng)
+            try:
+                async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            finally:
+                sem.release()
+
+        i = 0
+        start = time.monotonic()
+        while not stop.is_set():
+            await sem.acquire()
+            asyncio.get_running_loop().create_task(one(i))
+            i += 1
+            sent[0] = i
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+
+def _scrape(text: str) -> dict:
+    by_role: dict = defaultdict(lambda: {"requests": 0.0, "completed": 0.0, "retries": 0.0, "buckets": {},
+                                         "causes": defaultdict(float)})
+    shadow = {"evaluated": 0.0, "agree": 0.0, "disagree": 0.0, "noise_agree": 0.0, "noise_disagree": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = s.labels
+            if labels.get("route") != ROUTE:
+                continue
+            role = labels.get("role")
+            if s.name == "modelcanary_requests_total" and labels.get("segment") != "other":
+                by_role[role]["requests"] += s.value
+                if labels["outcome"] == "completed":
+                    by_role[role]["completed"] += s.value
+            elif s.name == "modelcanary_client_retries_total":
+                by_role[role]["retries"] += s.value
+            elif s.name == "modelcanary_failures_total":
+                by_role[role]["causes"][labels["cause"]] += s.value
+            elif s.name == "modelcanary_request_duration_seconds_bucket":
+                le = float(labels["le"])
+                by_role[role]["buckets"][le] = by_role[role]["buckets"].get(le, 0.0) + s.value
+            elif s.name == "modelcanary_shadow_requests_total":
+                shadow["evaluated"] += s.value
+            elif s.name == "modelcanary_shadow_agreement_total":
+                key = ("" if labels["comparison"] == "candidate" else "noise_") + labels["result"]
+                shadow[key] += s.value
+    return {"roles": by_role, "shadow": shadow}
+
+
+def _quantile(buckets: dict[float, float], q: float) -> float | None:
+    """histogram_quantile, as Prometheus does it: linear within the bucket."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank, prev_bound, prev_count = q * total, 0.0, 0.0
+    for b in bounds:
+        if buckets[b] >= rank:
+            if b == float("inf"):
+                return prev_bound
+            span = buckets[b] - prev_count
+            return prev_bound + (b - prev_bound) * ((rank - prev_count) / span if span else 1.0)
+        prev_bound, prev_count = b, buckets[b]
+    return prev_bound
+
+
+def _pct(x: float, n: float) -> str:
+    return f"{100 * x / n:5.1f}%" if n else "    —"
+
+
+def _ms(v: float | None) -> str:
+    return f"{v * 1000:6.0f} ms" if v is not None else "      —"
+
+
+def _view(stats: dict, roll: Roll, elapsed: float, sent: int) -> Group:
+    table = Table(title=f"route {ROUTE} — live traffic by role", expand=False)
+    for col in ("role", "requests", "completion", "retry rate", "p50", "p95", "failures by cause"):
+        table.add_column(col, justify="right" if col not in ("role", "failures by cause") else "left")
+    for role in ("stable", "canary"):
+        r = stats["roles"].get(role)
+        if not r or not r["requests"]:
+            table.add_row(role, "0", "—", "—", "—", "—", "")
+            continue
+        causes = ", ".join(f"{c} {int(v)}" for c, v in sorted(r["causes"].items(), key=lambda kv: -kv[1]))
+        table.add_row(role, f"{int(r['requests'])}", _pct(r["completed"], r["requests"]),
+                      _pct(r["retries"], r["requests"]), _ms(_quantile(r["buckets"], 0.5)),
+                      _ms(_quantile(r["buckets"], 0.95)), causes)
+    sh = stats["shadow"]
+    agree_n = sh["agree"] + sh["disagree"]
+    noise_n = sh["noise_agree"] + sh["noise_disagree"]
+    shadow_line = Text(f"shadow: {int(sh['evaluated'])} evaluated · candidate agrees with live answer "
+                       f"{_pct(sh['agree'], agree_n).strip()} · stable agrees with itself (noise floor) "
+                       f"{_pct(sh['noise_agree'], noise_n).strip()}")
+    color = {"rolled_back": "red", "promoted": "green", "paused": "yellow"}.get(roll.phase, "cyan")
+    phase_line = Text.assemble(("rollout: ", "bold"), (f"{roll.phase}", f"bold {color}"),
+                               f" · candidate weight {roll.weight * 100:.0f}% · step {roll.step + 1} · "
+                               f"judge: {roll.decision}")
+    reasons = Text("\n".join(f"  ↳ {r}" for r in roll.reasons[:4]) or "  ↳ gathering evidence", style="dim")
+    history = Text("\n".join(roll.history[-6:]), style="italic")
+    footer = Text(f"{elapsed:5.0f} s · {sent} requests sent · Ctrl-C to stop", style="dim")
+    return Group(table, shadow_line, phase_line, reasons, history, footer)
+
+
+async def _poll_rollout(session: aiohttp.ClientSession, url: str, token: str, roll: Roll, started: float) -> None:
+    async with session.get(f"{url}/admin/rollouts/{ROUTE}", headers={"Authorization": f"Bearer {token}"}) as r:
+        state = await r.json()
+    decision = state.get("recommendation") or state.get("last_decision") or {}
+    if state["phase"] != roll.phase and roll.version >= 0:
+        roll.history.append(f"  {time.monotonic() - started:5.0f} s  {roll.phase} → {state['phase']}"
+                            f" ({state['canary_weight'] * 100:.0f}%): {(state.get('last_decision') or {}).get('reasons', [''])[0]}")
+    roll.phase, roll.weight, roll.step = state["phase"], state["canary_weight"], state["step_index"]
+    roll.version = state["version"]
+    roll.decision = decision.get("decision", "hold")
+    roll.reasons = decision.get("reasons") or []
+    if state["phase"] in ("promoted", "rolled_back"):
+        last = state.get("last_decision") or {}
+        roll.decision, roll.reasons = last.get("decision", roll.decision), last.get("reasons") or roll.reasons
+
+
+async def _run(url: str, token: str, duration: float | None, console: Console) -> tuple[dict, Roll, float]:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    sent = [0]
+    traffic = asyncio.create_task(_traffic(url, stop, rate=120.0, sent=sent))
+    roll = Roll()
+    started = time.monotonic()
+    terminal_at: float | None = None
+    stats: dict = {"roles": {}, "shadow": defaultdict(float)}
+    live = Live(console=console, refresh_per_second=4, transient=False) if console.is_terminal else None
+    last_print = 0.0
+    async with aiohttp.ClientSession() as session:
+        if live:
+            live.start()
+        try:
+            while not stop.is_set():
+                await asyncio.sleep(0.5)
+                elapsed = time.monotonic() - started
+                async with session.get(url + "/metrics") as r:
+                    stats = _scrape(await r.text())
+                await _poll_rollout(session, url, token, roll, started)
+                if live:
+                    live.update(_view(stats, roll, elapsed, sent[0]))
+                elif elapsed - last_print >= 5:
+                    last_print = elapsed
+                    print(f"[{elapsed:4.0f} s] sent={sent[0]} phase={roll.phase} weight={roll.weight:.2f} "
+                          f"judge={roll.decision}", flush=True)
+                if roll.phase in ("promoted", "rolled_back") and terminal_at is None:
+                    terminal_at = elapsed
+                if duration is not None:
+                    if elapsed >= duration:
+                        break
+                elif (terminal_at is not None and elapsed - terminal_at >= 3) or elapsed >= MAX_UNATTENDED_S:
+                    break
+        finally:
+            stop.set()
+            await traffic
+            if live:
+                live.stop()
+    return stats, roll, time.monotonic() - started
+
+
+def _summary(stats: dict, roll: Roll, elapsed: float, good: bool) -> str:
+    lines = [f"modelcanary demo — {elapsed:.0f} s of traffic, candidate: {'better-model' if good else 'new-model'}", ""]
+    lines.append(f"{'role':<8} {'requests':>8} {'completion':>10} {'retry':>7} {'p50':>9} {'p95':>9}  failures")
+    for role in ("stable", "canary"):
+        r = stats["roles"].get(role)
+        if not r or not r["requests"]:
+            continue
+        causes = ", ".join(f"{c}={int(v)}" for c, v in sorted(r["causes"].items()))
+        lines.append(f"{role:<8} {int(r['requests']):>8} {_pct(r['completed'], r['requests']):>10} "
+                     f"{_pct(r['retries'], r['requests']):>7} {_ms(_quantile(r['buckets'], 0.5)):>9} "
+                     f"{_ms(_quantile(r['buckets'], 0.95)):>9}  {causes}")
+    sh = stats["shadow"]
+    lines.append(f"shadow evaluations: {int(sh['evaluated'])}")
+    lines.append("")
+    lines.append("rollout history:")
+    lines.extend(roll.history or ["  (no phase change)"])
+    lines.append("")
+    reason = (roll.reasons[0] if roll.reasons else "not enough evidence yet").replace("\n", " ")
+    lines.append(f"final: route={ROUTE} phase={roll.phase} decision={roll.decision} reason={reason}")
+    return "\n".join(lines)
+
+
+def run_demo(duration: float | None = None, good_candidate: bool = False) -> int:
+    console = Console()
+    workdir = Path(tempfile.mkdtemp(prefix="modelcanary-demo-"))
+    sim_port, proxy_port = _free_port(), _free_port()
+    sim_cfg = workdir / "simulator.yaml"
+    sim_cfg.write_text((EXAMPLES / "simulator.yaml").read_text())
+    cfg = yaml.safe_load((EXAMPLES / "modelcanary.yaml").read_text())
+    cfg["server"]["port"] = proxy_port
+    cfg["providers"]["sim"]["base_url"] = f"http://127.0.0.1:{sim_port}/v1"
+    cfg["state_dir"] = str(workdir / "state")
+    cfg["events"]["spool"] = {"dir": str(workdir / "spool")}
+    if good_candidate:
+        cfg["routes"][ROUTE]["candidate"] = "better-m"
+    proxy_cfg = workdir / "modelcanary.yaml"
+    proxy_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    token = secrets.token_hex(16)
+    env = {**os.environ, "MODELCANARY_ADMIN_TOKEN": token}
+    cli = [sys.executable, "-m", "service.cli"]
+    logs = open(workdir / "services.log", "wb")
+    procs = [
+        subprocess.Popen(cli + ["simulate", "--config", str(sim_cfg), "--port", str(sim_port)], stdout=logs,
+                         stderr=subprocess.STDOUT, start_new_session=True),
+        subprocess.Popen(cli + ["serve", "--config", str(proxy_cfg), "--port", str(proxy_port)], stdout=logs,
+                         stderr=subprocess.STDOUT, env=env, start_new_session=True),
+    ]
+    url = f"http://127.0.0.1:{proxy_port}"
+    try:
+        if not _wait_ready(url + "/readyz", procs, 30):
+            console.print(f"[red]services did not start; see {workdir / 'services.log'}[/red]")
+            return 1
+        console.print(f"[bold]modelcanary demo[/bold]: proxy {url}/v1 → simulator :{sim_port}; "
+                      f"candidate {'better-model' if good_candidate else 'new-model'}; logs in {workdir}")
+        stats, roll, elapsed = asyncio.run(_run(url, token, duration, console))
+        print(_summary(stats, roll, elapsed, good_candidate), flush=True)
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        logs.close()
+
+
+def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.1)
+    return False
