@@ -194,7 +194,8 @@ async def _poll_rollout(session: aiohttp.ClientSession, url: str, token: str, ro
     async with session.get(f"{url}/admin/rollouts/{ROUTE}", headers={"Authorization": f"Bearer {token}"}) as r:
         state = await r.json()
     decision = state.get("recommendation") or state.get("last_decision") or {}
-    if state["phase"] != roll.phase and roll.version >= 0:
+    moved = state["phase"] != roll.phase or state["step_index"] != roll.step
+    if moved and roll.version >= 0:
         roll.history.append(f"  {time.monotonic() - started:5.0f} s  {roll.phase} → {state['phase']}"
                             f" ({state['canary_weight'] * 100:.0f}%): {(state.get('last_decision') or {}).get('reasons', [''])[0]}")
     roll.phase, roll.weight, roll.step = state["phase"], state["canary_weight"], state["step_index"]
@@ -212,7 +213,7 @@ async def _run(url: str, token: str, duration: float | None, console: Console) -
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     sent = [0]
-    traffic = asyncio.create_task(_traffic(url, stop, rate=120.0, sent=sent))
+    traffic = asyncio.create_task(_traffic(url, stop, rate=150.0, sent=sent))
     roll = Roll()
     started = time.monotonic()
     terminal_at: float | None = None
