@@ -213,7 +213,7 @@ async def _run(url: str, token: str, duration: float | None, console: Console) -
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     sent = [0]
-    traffic = asyncio.create_task(_traffic(url, stop, rate=150.0, sent=sent))
+    traffic = asyncio.create_task(_traffic(url, stop, rate=250.0, sent=sent))
     roll = Roll()
     started = time.monotonic()
     terminal_at: float | None = None
