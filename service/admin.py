@@ -27,11 +27,15 @@ def admin_router(runtime: Runtime) -> APIRouter:
 
     def refused(request: Request) -> Response | None:
         header = request.headers.get("authorization")
+        client = request.client.host if request.client else "-"
         if not header:
+            audit.warning("refused admin call %s %s: no token client=%s", request.method, request.url.path, client)
             return openai_error(401, "admin endpoints need 'Authorization: Bearer <token>'", code="missing_token")
         expected = os.environ.get(runtime.config.server.admin_token_env)
         given = header[7:].strip() if header[:7].lower() == "bearer " else ""
         if not expected or not hmac.compare_digest(given.encode(), expected.encode()):
+            audit.warning("refused admin call %s %s: invalid token client=%s", request.method, request.url.path,
+                          client)
             return openai_error(403, "admin token is not valid", code="invalid_token")
         return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -26,6 +27,29 @@ def _logging(level: str = "INFO") -> None:
     logging.getLogger("kafka").setLevel(logging.WARNING)
 
 
+# A proxy keeps a steady set of long-lived objects (config, connection pools, bounded caches) and makes
+# many short-lived ones per request. With CPython's default thresholds (700, 10, 10) a full collection
+# then runs every couple of thousand requests and walks every long-lived object: measured at ~15% of a
+# busy proxy's CPU, in pauses of tens of ms. So: freeze what exists once started (it is never garbage)
+# and collect young objects less often. Cycles are still collected, just in larger batches.
+GC_THRESHOLDS = (20_000, 20, 20)
+
+
+def tune_gc() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+def worker_app():
+    """uvicorn factory for `serve --workers N` (each worker process): the app, with the GC tuned."""
+    from service.app import create_app_from_env
+
+    app = create_app_from_env()
+    tune_gc()
+    return app
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -38,19 +62,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "memory mode is one process", file=sys.stderr)
         return 1
     _logging()
-    common = dict(host=host, port=port, log_level="warning", access_log=False, loop="uvloop", http="httptools",
+    from service.serve import GuardedHttpToolsProtocol  # httptools with head size and time limits
+
+    common = dict(host=host, port=port, log_level="warning", access_log=False, loop="uvloop",
+                  http=GuardedHttpToolsProtocol,
                   timeout_graceful_shutdown=config.server.drain_seconds, proxy_headers=False,
                   server_header=False, date_header=False)
     if workers > 1:
         os.environ["MODELCANARY_CONFIG"] = os.path.abspath(args.config)
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="modelcanary-metrics-"))
-        uvicorn.run("service.app:create_app_from_env", factory=True, workers=workers, **common)
+        uvicorn.run("service.cli:worker_app", factory=True, workers=workers, **common)
         return 0
     from service.app import create_app
     from service.serve import DrainingServer
 
     app = create_app(config, os.path.abspath(args.config))
     server = DrainingServer(uvicorn.Config(app, **common), app.state.runtime)
+    tune_gc()
     server.run()
     return 0
 

@@ -79,6 +79,19 @@ class JudgeModelConfig(Strict):
     sample_rate: Probability = 1.0
 
 
+# `shadow.redact` entries: a regex, or one of these names for a built-in pattern.
+BUILTIN_PREFIX = "builtin:"
+REDACT_BUILTINS: dict[str, str] = {
+    "builtin:email": r"[\w.+-]+@[\w-]+\.[\w.-]+",
+    "builtin:phone": r"(?<!\w)\+?\d[\d\s().-]{7,}\d(?!\w)",
+}
+
+
+def redaction_patterns(entries: list[str]) -> list[str]:
+    """The regexes of `shadow.redact`, built-in names resolved."""
+    return [REDACT_BUILTINS.get(e, e) for e in entries]
+
+
 class ShadowConfig(Strict):
     sample_rate: Probability = 0.2
     max_per_minute: int = Field(600, ge=0)
@@ -92,6 +105,10 @@ class ShadowConfig(Strict):
     @classmethod
     def _regexes_compile(cls, v: list[str]) -> list[str]:
         for pattern in v:
+            if pattern.startswith(BUILTIN_PREFIX):
+                if pattern not in REDACT_BUILTINS:
+                    raise ValueError(f"unknown built-in pattern {pattern!r}; use one of {', '.join(REDACT_BUILTINS)}")
+                continue
             try:
                 re.compile(pattern)
             except re.error as e:
@@ -252,8 +269,13 @@ class ConfigError(Exception):
         super().__init__(f"{source}: " + "; ".join(problems))
 
 
+_PLAIN_KEY = re.compile(r"[\w@:/+*-]+")
+
+
 def _path(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc) or "(top level)"
+    """Dotted field path; a key that is empty or has spaces, dots or control characters is quoted."""
+    return ".".join(p if isinstance(p, str) and _PLAIN_KEY.fullmatch(p) else repr(p) if isinstance(p, str)
+                    else str(p) for p in loc) or "(top level)"
 
 
 def _describe(err: ValidationError) -> list[str]:

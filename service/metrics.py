@@ -14,6 +14,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
     multiprocess,
 )
@@ -103,7 +104,33 @@ consumer_lag = Gauge(
 PHASES = ("shadow", "canary", "promoted", "rolled_back", "paused")
 
 
+class LabelCache:
+    """A metric's labelled children, looked up once per label set.
+
+    `metric.labels(...)` validates, converts and locks on every call; on the hot path a dict hit
+    is several times cheaper. Children are created on first use, exactly as `labels()` would.
+    Label values must be bounded (DESIGN §7); `max_size` guards against a bug that makes them not.
+    """
+
+    __slots__ = ("metric", "children", "max_size")
+
+    def __init__(self, metric, max_size: int = 10_000):
+        self.metric = metric
+        self.children: dict[tuple, object] = {}
+        self.max_size = max_size
+
+    def get(self, *labels):
+        child = self.children.get(labels)
+        if child is None:
+            if len(self.children) >= self.max_size:
+                self.children.clear()
+            child = self.children[labels] = self.metric.labels(*labels)
+        return child
+
+
 def set_rollout(route: str, phase: str, weight: float) -> None:
+    for decision in ("step", "hold", "promote", "rollback"):
+        rollout_decisions_total.labels(route, decision)  # start at 0, so increase() sees the first one
     rollout_canary_weight.labels(route).set(weight)
     for p in PHASES:
         rollout_phase.labels(route, p).set(1.0 if p == phase else 0.0)
@@ -114,5 +141,9 @@ def exposition() -> tuple[bytes, str]:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        # process_* (CPU, memory, fds) cannot be aggregated over workers: these are the answering
+        # worker's own, so the health dashboard's process panels show whichever worker answered
+        # each scrape (an approximation of one worker, not the sum of all).
+        ProcessCollector(registry=registry)
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(), CONTENT_TYPE_LATEST

@@ -8,7 +8,6 @@ import logging
 import os
 import time
 
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
@@ -30,6 +29,7 @@ log = logging.getLogger("modelcanary.proxy")
 
 STREAM_CAPTURE_LIMIT = 8 * 1024 * 1024
 DRAIN_LIMIT = 64 * 1024 * 1024
+PARTIAL_EVENT_LIMIT = 1024 * 1024  # an unfinished SSE event longer than this is forwarded as it comes
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -52,6 +52,7 @@ class Proxy:
         self.retries = RetryDetector()
         self.draining = False
         self.in_flight = 0
+        self._in_flight_children = metrics.LabelCache(metrics.in_flight_requests)
         self.reload(config)
 
     def reload(self, config: Config) -> None:
@@ -115,6 +116,11 @@ class Proxy:
                                  code="model_not_allowed")
         return model_name, (model_name if model_name in self.config.routes else None)
 
+    def _client_auth(self, headers) -> str | None:
+        """The client's Authorization, to pass through when the provider has no key of its own; never
+        when client keys are on (then it is a key for this proxy, not for the provider)."""
+        return headers.get("authorization") if self.client_keys is None else None
+
     # ---- chat completions ------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -154,7 +160,7 @@ class Proxy:
         body["model"] = model.name
         out = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         up_headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"}
-        auth = provider.auth_header(headers.get("authorization"))
+        auth = provider.auth_header(self._client_auth(headers))
         if auth:
             up_headers["Authorization"] = auth
         if self.tracing is not None:
@@ -166,7 +172,7 @@ class Proxy:
         body["model"] = name
 
         self.in_flight += 1
-        metrics.in_flight_requests.labels(route).inc()
+        self._in_flight_gauge(route).inc()
         try:
             attempt = await send_with_retries(
                 provider, "/chat/completions", out, up_headers, call.stream, self.budgets[route],
@@ -232,6 +238,7 @@ class Proxy:
         captured: list[bytes] = []
         size = 0
         first = True
+        partial = b""  # the start of an SSE event not yet complete: forwarded once it is
         try:
             async for chunk in reply.chunks():
                 if first:
@@ -240,8 +247,22 @@ class Proxy:
                 if size < STREAM_CAPTURE_LIMIT:
                     captured.append(chunk)
                     size += len(chunk)
-                yield chunk
+                if partial:
+                    chunk, partial = partial + chunk, b""
+                if not chunk.endswith(b"\n\n"):
+                    cut = _events_end(chunk)
+                    if len(chunk) - cut <= PARTIAL_EVENT_LIMIT:
+                        chunk, partial = chunk[:cut], chunk[cut:]
+                if chunk:
+                    yield chunk
+            if partial:
+                yield partial  # the upstream ended without a final blank line
+            call.verdict = self._classify_stream(call, b"".join(captured), size >= STREAM_CAPTURE_LIMIT)
+            if call.verdict.cause == "bad_response":  # e.g. it ended before [DONE]: say so, never end silently
+                yield b"data: " + error_body(502, f"upstream stream is malformed: {call.verdict.detail}",
+                                             "bad_response") + b"\n\n"
         except TransportFailure as e:
+            # a cut-off event is never forwarded: the client sees whole events, then this error event
             call.verdict = failed(e.cause, e.detail)
             yield b"data: " + error_body(502, f"upstream stream failed: {e.detail}", e.cause) + b"\n\n"
         except (asyncio.CancelledError, GeneratorExit):
@@ -285,15 +306,17 @@ class Proxy:
                 "x-modelcanary-model": call.model_key, "x-modelcanary-role": call.role}
 
     def _respond(self, call: Call, response: Response) -> Response:
-        response.background = BackgroundTask(self._done_after_send, call)
+        # Starlette awaits `background()` once the response is sent; a tiny awaitable callable is
+        # cheaper than a BackgroundTask (which inspects its function on every request).
+        response.background = _AfterSend(self._done, call)  # type: ignore[assignment]
         return response
 
-    async def _done_after_send(self, call: Call) -> None:
-        self._done(call)  # async, so Starlette runs it on the loop rather than in a thread
+    def _in_flight_gauge(self, route: str):
+        return self._in_flight_children.get(route)
 
     def _done(self, call: Call) -> None:
         self.in_flight -= 1
-        metrics.in_flight_requests.labels(call.route).dec()
+        self._in_flight_gauge(call.route).dec()
         call.latency_s = time.perf_counter() - call.started
         try:
             self.recorder.finish(call)
@@ -327,13 +350,13 @@ class Proxy:
             body["model"] = model.name
             raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         up_headers = {"Content-Type": request.headers.get("content-type", "application/json")}
-        auth = provider.auth_header(request.headers.get("authorization"))
+        auth = provider.auth_header(self._client_auth(request.headers))
         if auth:
             up_headers["Authorization"] = auth
         call = Call(request_id=request_id, route=route or key, model_key=model_key, role="stable", segment="other",
                     started=started, request=None)
         self.in_flight += 1
-        metrics.in_flight_requests.labels(call.route).inc()
+        self._in_flight_gauge(call.route).inc()
         qs = ("?" + request.url.query) if request.url.query else ""
         attempt = await send_with_retries(provider, "/" + path + qs, raw, up_headers, False,
                                           self.budgets[call.route], method=request.method,
@@ -352,6 +375,25 @@ class Proxy:
 
 
 _DEFAULT_CHECKS = Checks()
+
+
+class _AfterSend:
+    """What Starlette awaits after sending a response: record the finished call."""
+
+    __slots__ = ("done", "call")
+
+    def __init__(self, done, call: Call):
+        self.done = done
+        self.call = call
+
+    async def __call__(self) -> None:
+        self.done(self.call)
+
+
+def _events_end(data: bytes) -> int:
+    """Offset just past the last complete SSE event in `data` (0 when there is none)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def _json_or_none(raw: bytes) -> dict | None:

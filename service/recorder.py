@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from service import metrics
 from service.bus.base import EventBus
-from service.config import Config
+from service.config import Config, redaction_patterns
 from service.outcome import Verdict
 from service.records import OutcomeEvent, PrimaryResult, TrafficEvent
 from service.routing import session_hash
@@ -80,6 +80,14 @@ class Recorder:
         self.config_version = config.version()
         self._served: OrderedDict[str, Served] = OrderedDict()
         self._redact = self._compile_redactions(config)
+        # labelled children looked up once per label set (`labels()` takes a lock and builds tuples)
+        self._requests = metrics.LabelCache(metrics.requests_total)
+        self._failures = metrics.LabelCache(metrics.failures_total)
+        self._duration = metrics.LabelCache(metrics.request_duration)
+        self._ttft = metrics.LabelCache(metrics.time_to_first_token)
+        self._client_retries = metrics.LabelCache(metrics.client_retries_total)
+        self._tokens = metrics.LabelCache(metrics.tokens_total)
+        self._cost = metrics.LabelCache(metrics.cost_usd_total)
 
     def reload(self, config: Config) -> None:
         self.config = config
@@ -94,20 +102,20 @@ class Recorder:
         model_cfg = self.config.models.get(model)
         cost = model_cfg.price.cost(input_tokens, output_tokens) if model_cfg else 0.0
 
-        metrics.requests_total.labels(route, model, role, call.segment, verdict.outcome).inc()
+        self._requests.get(route, model, role, call.segment, verdict.outcome).inc()
         if not verdict.ok:
-            metrics.failures_total.labels(route, model, role, verdict.cause, verdict.blame).inc()
-        metrics.request_duration.labels(route, model, role).observe(call.latency_s)
+            self._failures.get(route, model, role, verdict.cause, verdict.blame).inc()
+        self._duration.get(route, model, role).observe(call.latency_s)
         if call.ttft_s is not None:
-            metrics.time_to_first_token.labels(route, model, role).observe(call.ttft_s)
+            self._ttft.get(route, model, role).observe(call.ttft_s)
         if call.client_retry:
-            metrics.client_retries_total.labels(route, model, role).inc()
+            self._client_retries.get(route, model, role).inc()
         if input_tokens:
-            metrics.tokens_total.labels(route, model, role, "input").inc(input_tokens)
+            self._tokens.get(route, model, role, "input").inc(input_tokens)
         if output_tokens:
-            metrics.tokens_total.labels(route, model, role, "output").inc(output_tokens)
+            self._tokens.get(route, model, role, "output").inc(output_tokens)
         if cost:
-            metrics.cost_usd_total.labels(route, model, role).inc(cost)
+            self._cost.get(route, model, role).inc(cost)
 
         sid = session_hash(call.session_key)
         self.bus.publish("outcomes", OutcomeEvent.model_construct(
@@ -173,14 +181,9 @@ class Recorder:
     # ---- redaction -------------------------------------------------------------------------
     @staticmethod
     def _compile_redactions(config: Config) -> dict[str, list[re.Pattern]]:
-        builtin = [r"[\w.+-]+@[\w-]+\.[\w.-]+", r"(?<!\w)\+?\d[\d\s().-]{7,}\d(?!\w)"]
-        out = {}
-        for route, rc in config.routes.items():
-            patterns = list(rc.shadow.redact)
-            if patterns:
-                patterns += builtin
-            out[route] = [re.compile(p) for p in patterns]
-        return out
+        """`shadow.redact`: regexes, and `builtin:email` / `builtin:phone` for the built-in patterns."""
+        return {route: [re.compile(p) for p in redaction_patterns(rc.shadow.redact)]
+                for route, rc in config.routes.items()}
 
     def _redacted(self, route: str, obj: dict) -> dict:
         patterns = self._redact.get(route)

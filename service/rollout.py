@@ -76,6 +76,11 @@ class RolloutBook:
                 self._set(fresh_state(route, rc, version=(prior.version + 1) if prior else 0))
 
     # ---- reading -------------------------------------------------------------------------
+    @property
+    def config(self) -> Config:
+        """The config the book currently follows (replaced by `reload`)."""
+        return self._config
+
     def get(self, route: str) -> RolloutState:
         return self.states[route]
 

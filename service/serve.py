@@ -3,14 +3,104 @@ in-flight requests and streams finish (up to server.drain_seconds), then it exit
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import time
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.errors import error_body
 
 log = logging.getLogger("modelcanary.serve")
+
+MAX_HEAD_BYTES = 64 * 1024   # request line + headers; more is refused with 431
+HEAD_TIMEOUT_S = 10.0        # a connection must finish a request's headers this soon (slow-loris)
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the two limits it lacks: the size of a request head
+    (unbounded otherwise: a client could send gigabytes of headers) and the time to send it
+    (a slow-loris client could hold a connection forever)."""
+
+    max_head_bytes = MAX_HEAD_BYTES
+    head_timeout_s = HEAD_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_bytes = 0
+        self._refused = False
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.head_timeout_s, self._head_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        if not self._refused:
+            super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        if not self._refused:
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse: the same answer, OpenAI-shaped."""
+        if not self._refused:
+            self._refuse(400, msg, "invalid_http_request")
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.max_head_bytes and not self._refused:
+            self._refuse(431, f"request headers exceed {self.max_head_bytes} bytes", "headers_too_large")
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.cycle is not None and not self.cycle.response_complete:  # a response is still going out
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timeout)
+            return
+        if not self.transport.is_closing():
+            self._refuse(408, f"request headers not received within {self.head_timeout_s:g} s", "request_timeout")
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        self._refused = True
+        self._cancel_head_timer()
+        body = error_body(status, message, code, type_="invalid_request_error")
+        reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+        self.transport.close()
 
 
 class DrainingServer(uvicorn.Server):
@@ -34,6 +124,10 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self._drain_started is not None and not self.should_exit:
             waited = time.monotonic() - self._drain_started
-            if self.runtime.proxy.in_flight <= 0 or waited >= self.runtime.config.server.drain_seconds:
+            if self.runtime.proxy.in_flight <= 0:
+                self.should_exit = True
+            elif waited >= self.runtime.config.server.drain_seconds:
+                # the drain time is used up: cut what is left now, not after uvicorn's own graceful wait
+                self.config.timeout_graceful_shutdown = 0.1
                 self.should_exit = True
         return await super().on_tick(counter)

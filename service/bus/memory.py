@@ -1,29 +1,48 @@
-"""Embedded event bus: bounded in-process queues, drops counted."""
+"""Embedded event bus: bounded in-process queues, drops counted.
+
+Consumer lag in embedded mode is a subscription's queue depth: records offered but not
+yet returned by `get_batch`, per topic and consumer group (`group=None` reads "none",
+as in Kafka mode). It is exported on `get_batch` and every `LAG_EVERY` offers, so a
+stalled consumer still shows its growing lag without a metrics call per publish.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import TYPE_CHECKING
 
 from service import metrics
 from service.bus.base import Topic
 from service.records import Record
 
+if TYPE_CHECKING:
+    from prometheus_client import Gauge
+
+LAG_EVERY = 256   # offers between two lag exports while nobody calls get_batch
+
 
 class MemorySubscription:
-    def __init__(self, bus: MemoryBus, topics: list[Topic], maxsize: int):
+    def __init__(self, bus: MemoryBus, topics: list[Topic], maxsize: int, group: str | None = None):
         self._bus = bus
         self._topics = topics
-        self._items: deque[Record] = deque()
+        self._group = group or "none"
+        self._items: deque[tuple[Topic, Record]] = deque()
         self._maxsize = maxsize
         self._ready = asyncio.Event()
+        self._depth: dict[Topic, int] = {t: 0 for t in topics}
+        self._offers = 0
 
     def offer(self, topic: Topic, record: Record) -> bool:
         if len(self._items) >= self._maxsize:
             metrics.events_dropped_total.labels(topic, "queue_full").inc()
             return False
-        self._items.append(record)
+        self._items.append((topic, record))
+        self._depth[topic] += 1
         self._ready.set()
+        self._offers += 1
+        if self._offers >= LAG_EVERY:
+            self._export_lag()
         return True
 
     async def get_batch(self, max_records: int, timeout_s: float) -> list[Record]:
@@ -34,7 +53,18 @@ class MemorySubscription:
             except TimeoutError:
                 return []
         n = min(max_records, len(self._items))
-        return [self._items.popleft() for _ in range(n)]
+        batch = []
+        depth = self._depth
+        for _ in range(n):
+            topic, record = self._items.popleft()
+            depth[topic] -= 1
+            batch.append(record)
+        self._export_lag()
+        return batch
+
+    def _export_lag(self) -> None:
+        self._offers = 0
+        self._bus._export_lag(self)
 
     async def commit(self) -> None:
         return None
@@ -45,6 +75,10 @@ class MemorySubscription:
     @property
     def topics(self) -> list[Topic]:
         return self._topics
+
+    @property
+    def group(self) -> str:
+        return self._group
 
 
 class MemoryBus:
@@ -58,6 +92,8 @@ class MemoryBus:
         self._subs: dict[Topic, list[MemorySubscription]] = {}
         self._groups: dict[tuple[str, tuple[Topic, ...]], MemorySubscription] = {}
         self._latest_rollouts: dict[str, Record] = {}
+        # (topic, group label) -> its gauge child and the subscriptions it sums (followers share "none")
+        self._lag: dict[tuple[Topic, str], tuple[Gauge, list[MemorySubscription]]] = {}
 
     async def start(self) -> None:
         return None
@@ -75,20 +111,38 @@ class MemoryBus:
         key = (group, tuple(topics)) if group else None
         if key and key in self._groups:
             return self._groups[key]
-        sub = MemorySubscription(self, list(topics), self._queue_size)
+        sub = MemorySubscription(self, list(topics), self._queue_size, group)
         for t in topics:
             self._subs.setdefault(t, []).append(sub)
+            entry = self._lag.get((t, sub.group))
+            if entry is None:
+                entry = self._lag[(t, sub.group)] = (metrics.consumer_lag.labels(t, sub.group), [])
+            entry[1].append(sub)
         if key:
             self._groups[key] = sub
         if "rollouts" in topics:
             for record in self._latest_rollouts.values():
                 sub.offer("rollouts", record)
+        self._export_lag(sub)
         return sub
+
+    def _export_lag(self, sub: MemorySubscription) -> None:
+        """Set consumer_lag for each of `sub`'s topics: the queue depth summed over the subscriptions
+        sharing that (topic, group) label."""
+        for t in sub.topics:
+            entry = self._lag.get((t, sub.group))
+            if entry is not None:
+                gauge, members = entry
+                gauge.set(sum(m._depth[t] for m in members))
 
     def _unsubscribe(self, sub: MemorySubscription) -> None:
         for t in sub.topics:
             if sub in self._subs.get(t, []):
                 self._subs[t].remove(sub)
+            entry = self._lag.get((t, sub.group))
+            if entry is not None and sub in entry[1]:
+                entry[1].remove(sub)
+        self._export_lag(sub)
         self._groups = {k: v for k, v in self._groups.items() if v is not sub}
 
     async def close(self) -> None:

@@ -1,0 +1,131 @@
+"""Rate sweep: added p99 at fixed request rates, open loop.
+
+benchmarks/loadgen.py runs in its own process and sends request i at t0 + i/rate whatever
+happened before, measuring each latency from that scheduled time: queueing anywhere counts,
+so a saturated server shows as growing latency instead of hiding behind a slower send rate
+(coordinated omission; wrk and hey are closed-loop, and wrk2 isn't available).
+
+Direct (the simulator alone) and modelcanary (one worker, everything on) at each rate, in turns;
+then LiteLLM (one worker) at the rates it can still keep up with: once a rate saturates a target
+(answers fall behind the schedule), higher rates are skipped for it.
+
+    python benchmarks/rate_sweep.py [--quick] [--no-litellm] [--rates 100,500,1000,2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness as h
+
+PATH = "/v1/chat/completions"
+RATES = (100, 500, 1000, 2000)
+TARGET_ADDED_P99_AT_500_MS = 2.0
+
+
+def saturated(r: dict) -> bool:
+    """Answers fell behind the schedule: some never came, errors, or the queue kept growing."""
+    return r["unanswered"] > 0 or r["errors"] > 0.01 * max(1, r["sent"]) or (r["p50_ms"] or 0) > 100.0
+
+
+def _one(proc: h.Proc, body: dict, rate: float, duration: float) -> dict:
+    cpu0 = proc.cpu_s()
+    load0 = h.loadavg()
+    r = h.loadgen(proc.url + PATH, body, rate=rate, duration_s=duration)
+    r["cpu_us_per_req"] = round((proc.cpu_s() - cpu0) / r["completed"] * 1e6, 1) if r["completed"] else None
+    r["loadavg_1m"] = max(load0, h.loadavg())
+    r["saturated"] = saturated(r)
+    return r
+
+
+def run(quick: bool = False, with_litellm: bool = True, rates: tuple[int, ...] = RATES) -> dict:
+    duration = 3.0 if quick else 8.0
+    runs: dict[str, dict[int, dict]] = {"direct": {}, "modelcanary": {}}
+    notes: list[str] = []
+    with h.Stack("rate-sweep") as st:
+        sim = h.simulator(st)
+        mc = h.proxy(st, h.proxy_config(st.tmp, sim.url, shadow_rate=0.1))
+        h.check_ok(mc.url + PATH)
+        h.loadgen(mc.url + PATH, h.CHAT_BODY, rate=500, duration_s=1)  # warm up
+        mc_done = False
+        for rate in rates:
+            runs["direct"][rate] = _one(sim, h.DIRECT_BODY, rate, duration)
+            if not mc_done:
+                runs["modelcanary"][rate] = _one(mc, h.CHAT_BODY, rate, duration)
+                mc_done = runs["modelcanary"][rate]["saturated"]
+        mc.stop()
+        if with_litellm:
+            why = h.ensure_litellm()
+            if why is None:
+                ll = h.litellm(st, {"support-bot": sim.url})
+                h.check_ok(ll.url + PATH)
+                h.loadgen(ll.url + PATH, h.CHAT_BODY, rate=20, duration_s=2)  # warm up
+                runs["litellm"] = {}
+                for rate in rates:
+                    runs["litellm"][rate] = r = _one(ll, h.CHAT_BODY, rate, duration)
+                    if r["saturated"]:
+                        break
+                ll.stop()
+            else:
+                notes.append(why)
+
+    def added(name: str, rate: int, q: str) -> float | None:
+        r, d = runs.get(name, {}).get(rate), runs["direct"].get(rate)
+        if not r or not d or r.get(q) is None or d.get(q) is None:
+            return None
+        return round(r[q] - d[q], 4)
+
+    rows = []
+    for rate in rates:
+        row: list[object] = [rate, runs["direct"][rate]["p50_ms"], runs["direct"][rate]["p99_ms"]]
+        for name in ("modelcanary", "litellm"):
+            r = runs.get(name, {}).get(rate)
+            if name == "litellm" and "litellm" not in runs:
+                continue
+            if r is None:
+                row += ["not reachable", "–", "–"]
+            else:
+                mark = " (saturated)" if r["saturated"] else ""
+                row += [f"{h.fmt(added(name, rate, 'p50_ms'), 3)}{mark}", h.fmt(added(name, rate, "p99_ms"), 3),
+                        h.fmt(r["achieved_rps"], 1)]
+        rows.append(row)
+    headers = ["req/s", "direct p50 ms", "direct p99 ms", "modelcanary added p50 ms", "modelcanary added p99 ms",
+               "modelcanary answered/s"]
+    if "litellm" in runs:
+        headers += ["LiteLLM added p50 ms", "LiteLLM added p99 ms", "LiteLLM answered/s"]
+    mc500 = added("modelcanary", 500, "p99_ms")
+    checks = {f"added p99 at 500 req/s ≤ {TARGET_ADDED_P99_AT_500_MS:g} ms":
+              mc500 is not None and mc500 <= TARGET_ADDED_P99_AT_500_MS}
+    md = [f"### Rate sweep: open loop, latency from the scheduled send time ({duration:g} s per rate)", "",
+          h.table(headers, rows, digits=3), "",
+          "A target is *saturated* when answers fall behind the schedule (unanswered requests, >1% errors or "
+          "p50 > 100 ms); higher rates are then skipped for it.",
+          "", "Target: " + "; ".join(f"{k}: **{'met' if v else 'NOT met'}**" for k, v in checks.items()) + "."]
+    md += [f"> {n}" for n in notes]
+    data = {"duration_s": duration, "rates": list(rates),
+            "runs": {n: {str(k): v for k, v in rs.items()} for n, rs in runs.items()},
+            "added_p99_ms": {n: {str(k): added(n, k, "p99_ms") for k in rs} for n, rs in runs.items() if n != "direct"},
+            "added_p50_ms": {n: {str(k): added(n, k, "p50_ms") for k in rs} for n, rs in runs.items() if n != "direct"},
+            "checks": checks, "notes": notes}
+    h.write_result("rate_sweep", data)
+    return {"name": "rate_sweep", "markdown": "\n".join(md), "data": data}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="open-loop rate sweep")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-litellm", action="store_true")
+    p.add_argument("--rates", default=",".join(map(str, RATES)))
+    args = p.parse_args(argv)
+    rates = tuple(int(r) for r in args.rates.split(","))
+    print(run(args.quick, not args.no_litellm, rates)["markdown"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

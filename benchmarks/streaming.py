@@ -1,0 +1,306 @@
+"""Streaming: time to first byte and total time of a 200-chunk SSE stream, direct vs through each
+proxy, and whether chunks are forwarded as they come.
+
+The upstream is a purpose-built SSE emitter (this file, `_emitter`): an OpenAI-shaped
+chat.completion.chunk stream whose every chunk carries, as its content, the CLOCK_MONOTONIC time at
+which the emitter wrote it. The client (in this process) notes when each chunk arrives, so
+`arrival - send` is the forwarding gap of each chunk: one hop direct, two through a proxy.
+
+Two shapes of stream, each `--streams` times per target, one after the other:
+  - paced: a chunk every ~1 ms (200 chunks ≈ 0.2-0.4 s); the gap check uses these;
+  - burst: all 200 chunks written back to back; total time then shows the per-chunk cost.
+
+    python benchmarks/streaming.py [--quick] [--no-litellm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import httptools
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness as h
+
+CHUNKS = 200
+GAP_TARGET_MS = 1.0
+TTFB_TARGET_MS = 0.5
+
+
+# ---- the emitter (upstream) -------------------------------------------------------------------
+
+class _EmitterProtocol(asyncio.Protocol):
+    def __init__(self, chunks: int):
+        self.chunks = chunks
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.body = bytearray()
+        self.url = b""
+        self.closed = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        url, body = self.url, bytes(self.body)
+        self.url, self.body = b"", bytearray()
+        if url.startswith(b"/healthz"):
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n"
+                                 b'{"status":"ok"}')
+            return
+        try:
+            req = json.loads(body or b"{}")
+        except ValueError:
+            req = {}
+        interval = 0.0 if b"BURST" in body else 0.001  # the prompt says which shape of stream
+        model = str(req.get("model", "emit-model"))
+        asyncio.get_running_loop().create_task(self._stream(model, interval))
+
+    async def _stream(self, model: str, interval: float) -> None:
+        write = self.transport.write
+        write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+              b"transfer-encoding: chunked\r\n\r\n")
+        head = ('data: {"id":"chatcmpl-emit","object":"chat.completion.chunk","created":0,"model":"'
+                + model + '","choices":[{"index":0,"delta":{').encode()
+        for k in range(self.chunks):
+            if self.closed:
+                return
+            role = b'"role":"assistant",' if k == 0 else b""
+            event = head + role + b'"content":"%d "},"finish_reason":null}]}\n\n' % time.monotonic_ns()
+            write(b"%x\r\n%s\r\n" % (len(event), event))
+            if interval:
+                await asyncio.sleep(interval)
+        tail = (head + b'},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":%d,'
+                b'"total_tokens":%d}}\n\ndata: [DONE]\n\n' % (self.chunks, self.chunks + 10))
+        write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
+
+
+def emitter_main(port: int, chunks: int) -> None:
+    import uvloop
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _EmitterProtocol(chunks), "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(serve())
+
+
+def start_emitter(stack: h.Stack, chunks: int = CHUNKS) -> h.Proc:
+    port = h.free_port()
+    return stack.start(h.Proc("emitter", [sys.executable, str(Path(__file__).resolve()), "_emitter", str(port),
+                                          str(chunks)], stack.tmp / "emitter.log",
+                              ready_url=f"http://127.0.0.1:{port}/healthz", port=port))
+
+
+# ---- the client -------------------------------------------------------------------------------
+
+class _StreamClient(asyncio.Protocol):
+    def __init__(self):
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.first_byte_ns: int | None = None
+        self.first_chunk_ns: int | None = None
+        self.buffer = b""
+        self.gaps: list[int] = []
+        self.events = 0
+        self.status = 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("connection lost mid-stream"))
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic_ns()
+        if self.first_byte_ns is None:
+            self.first_byte_ns = now
+        self._now = now
+        self.parser.feed_data(data)
+
+    def on_status(self, status: bytes) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        now = self._now
+        self.buffer += body
+        *events, self.buffer = self.buffer.split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: {"):
+                continue
+            if self.first_chunk_ns is None:
+                self.first_chunk_ns = now
+            self.events += 1
+            i = event.find(b'"content":"')
+            if i < 0:
+                continue
+            j = event.find(b" ", i + 11)
+            stamp = event[i + 11:j]
+            if stamp.isdigit():
+                self.gaps.append(now - int(stamp))
+
+    def on_message_complete(self) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_result(time.monotonic_ns())
+
+
+async def _measure(url: str, model: str, streams: int, burst: bool) -> dict:
+    parts = url.split("//", 1)[1]
+    host, _, port = parts.partition(":")
+    loop = asyncio.get_running_loop()
+    _, client = await loop.create_connection(_StreamClient, host, int(port))
+    prompt = "Count to 200. " + ("BURST" if burst else "PACED")
+    body = json.dumps({"model": model, "stream": True, "messages": [{"role": "user", "content": prompt}]}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+               b"Authorization: Bearer sk-bench\r\nAccept: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+               % (parts.encode(), len(body), body))
+    ttfb, first, total, gaps, chunks, errors = [], [], [], [], [], 0
+    try:
+        for i in range(streams + 1):  # the first stream warms up the connection pools
+            client.reset()
+            client.done = loop.create_future()
+            t0 = time.monotonic_ns()
+            client.transport.write(request)
+            end = await asyncio.wait_for(client.done, 30)
+            if i == 0:
+                continue
+            if client.status != 200 or client.first_chunk_ns is None:
+                errors += 1
+                continue
+            ttfb.append((client.first_byte_ns - t0) / 1e6)
+            first.append((client.first_chunk_ns - t0) / 1e6)
+            total.append((end - t0) / 1e6)
+            gaps.extend(g / 1e6 for g in client.gaps)
+            chunks.append(client.events)
+    finally:
+        client.transport.close()
+    return {"streams": len(total), "errors": errors, "chunks_per_stream": min(chunks) if chunks else 0,
+            "ttfb_ms": _pcts(ttfb), "first_chunk_ms": _pcts(first), "total_ms": _pcts(total), "gap_ms": _pcts(gaps)}
+
+
+def _pcts(values: list[float]) -> dict:
+    v = sorted(values)
+    if not v:
+        return {}
+
+    def q(p: float) -> float:
+        return round(v[min(len(v) - 1, round(p / 100 * (len(v) - 1)))], 4)
+
+    return {"p50": q(50), "p90": q(90), "p99": q(99), "max": round(v[-1], 4), "n": len(v)}
+
+
+def measure(url: str, model: str, streams: int, burst: bool) -> dict:
+    import uvloop
+
+    return uvloop.run(_measure(url, model, streams, burst))
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+def run(quick: bool = False, with_litellm: bool = True) -> dict:
+    streams = 10 if quick else 50
+    results: dict[str, dict] = {}
+    notes: list[str] = []
+    with h.Stack("streaming") as st:
+        sim = h.simulator(st)
+        emitter = start_emitter(st)
+        targets: list[tuple[str, str, str]] = [("direct", emitter.url, "emit-model")]
+        mc = h.proxy(st, h.proxy_config(st.tmp, sim.url, extra_upstreams={"emit": emitter.url}))
+        targets.append(("modelcanary", mc.url, "emit"))
+        if with_litellm:
+            why = h.ensure_litellm()
+            if why is None:
+                ll = h.litellm(st, {"support-bot": sim.url, "emit": emitter.url})
+                targets.append(("litellm", ll.url, "emit"))
+            else:
+                notes.append(why)
+        for name, url, model in targets:
+            results[name] = {"paced": measure(url, model, streams, burst=False),
+                             "burst": measure(url, model, streams, burst=True)}
+    direct = results["direct"]
+
+    def added(name: str, shape: str, key: str, q: str = "p50") -> float | None:
+        a, b = results[name][shape][key].get(q), direct[shape][key].get(q)
+        return round(a - b, 4) if a is not None and b is not None else None
+
+    rows = []
+    for name in results:
+        r = results[name]
+        rows.append([name, r["paced"]["ttfb_ms"].get("p50"), r["paced"]["first_chunk_ms"].get("p50"),
+                     r["paced"]["total_ms"].get("p50"), r["burst"]["total_ms"].get("p50"),
+                     r["paced"]["gap_ms"].get("p50"), r["paced"]["gap_ms"].get("p99"),
+                     r["paced"]["chunks_per_stream"], r["paced"]["errors"] + r["burst"]["errors"]])
+    summary = {name: {"added_ttfb_p50_ms": added(name, "paced", "ttfb_ms"),
+                      "added_first_chunk_p50_ms": added(name, "paced", "first_chunk_ms"),
+                      "added_total_paced_p50_ms": added(name, "paced", "total_ms"),
+                      "added_total_burst_p50_ms": added(name, "burst", "total_ms"),
+                      "gap_p99_ms": results[name]["paced"]["gap_ms"].get("p99"),
+                      "added_gap_p99_ms": added(name, "paced", "gap_ms", "p99")}
+               for name in results if name != "direct"}
+    mc_sum = summary.get("modelcanary", {})
+    checks = {
+        "gap_p99_under_1ms": (mc_sum.get("gap_p99_ms") or 1e9) < GAP_TARGET_MS,
+        "added_ttfb_under_0.5ms": (mc_sum.get("added_ttfb_p50_ms") or 1e9) <= TTFB_TARGET_MS,
+    }
+    md = [f"### Streaming: {CHUNKS}-chunk SSE stream ({streams} streams per shape, one at a time)", "",
+          h.table(["target", "TTFB p50 ms", "first chunk p50 ms", "total p50 ms (paced)", "total p50 ms (burst)",
+                   "chunk gap p50 ms", "chunk gap p99 ms", "chunks", "errors"], rows, digits=3), "",
+          h.table(["proxy", "added TTFB p50 ms", "added first chunk p50 ms", "added total p50 ms (paced)",
+                   "added total p50 ms (burst)", "added chunk gap p99 ms"],
+                  [[n, s["added_ttfb_p50_ms"], s["added_first_chunk_p50_ms"], s["added_total_paced_p50_ms"],
+                    s["added_total_burst_p50_ms"], s["added_gap_p99_ms"]] for n, s in summary.items()], digits=3),
+          "",
+          f"Chunk gap = arrival at the client − the emitter's send time (CLOCK_MONOTONIC), paced stream "
+          f"(a chunk every ~1 ms). modelcanary gap p99 < {GAP_TARGET_MS:g} ms: "
+          f"**{'met' if checks['gap_p99_under_1ms'] else 'NOT met'}**; added TTFB ≤ {TTFB_TARGET_MS} ms: "
+          f"**{'met' if checks['added_ttfb_under_0.5ms'] else 'NOT met'}**."]
+    md += [f"> {n}" for n in notes]
+    data = {"streams": streams, "chunks": CHUNKS, "results": results, "summary": summary, "checks": checks,
+            "notes": notes}
+    h.write_result("streaming", data)
+    return {"name": "streaming", "markdown": "\n".join(md), "data": data}
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_emitter":
+        emitter_main(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
+    p = argparse.ArgumentParser(description="streaming benchmark")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-litellm", action="store_true")
+    args = p.parse_args(argv)
+    print(run(args.quick, not args.no_litellm)["markdown"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

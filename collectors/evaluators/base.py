@@ -1,0 +1,85 @@
+"""The evaluator extension point: one small Protocol, one file per implementation beside it.
+
+An evaluator looks at one shadow evaluation (the live request, the live stable answer, the
+candidate's answer and, when measured, the stable model's second answer) and returns an
+EvaluationResult: `passed` True/False, or None when it could not decide (an error, never a
+pass). `selected(ctx)` says whether it runs on this record (optional evaluators sample
+deterministically by request id, so a replayed record gets the same evaluators).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from service.config import Checks, Config, RouteConfig
+from service.outcome import Verdict
+from service.records import EvaluationResult, TrafficEvent
+from service.routing import unit_hash
+
+
+@dataclass(slots=True)
+class ShadowCall:
+    """One shadow call's result. `response` is the parsed 2xx chat completion, None without one."""
+
+    model: str                      # the key in `models:`
+    verdict: Verdict
+    response: dict | None = None
+    status: int = 0
+    latency_s: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+    retries: int = 0
+    span: object | None = None        # the call's trace span, when tracing is on
+
+    @property
+    def answered(self) -> bool:
+        return self.response is not None
+
+    @property
+    def usage(self) -> dict | None:
+        if self.response is None and not (self.input_tokens or self.output_tokens):
+            return None
+        return {"prompt_tokens": self.input_tokens, "completion_tokens": self.output_tokens,
+                "total_tokens": self.input_tokens + self.output_tokens}
+
+
+class Caller(Protocol):
+    async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None) -> ShadowCall:
+        """Send a chat request (non-streamed) to a model from `models:`, with the shadow retry rules;
+        classify the answer with `checks` (default: the route's)."""
+
+
+@dataclass(slots=True)
+class EvalContext:
+    config: Config
+    route: str
+    route_cfg: RouteConfig
+    event: TrafficEvent
+    request: dict                   # the live request body (as the client sent it, credentials never included)
+    live: dict | None               # the live stable answer
+    candidate: ShadowCall
+    stable_again: ShadowCall | None
+    caller: Caller
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.event.request_id
+
+
+def sampled(kind: str, request_id: str, rate: float) -> bool:
+    """Deterministic sub-sampling by request id (replicas and replays agree)."""
+    return rate > 0.0 and (rate >= 1.0 or unit_hash(kind, request_id) < rate)
+
+
+class Evaluator(Protocol):
+    name: str
+    version: str
+
+    def selected(self, ctx: EvalContext) -> bool:
+        """Whether this evaluator runs on this record."""
+
+    async def evaluate(self, ctx: EvalContext) -> EvaluationResult:
+        """The verdict on the candidate's answer. Must not raise for a bad answer: return passed=None."""

@@ -1,0 +1,543 @@
+"""Shadow workers (issue 3 §3): replay sampled live requests to the candidate, score them, publish.
+
+For each TrafficEvent from the `traffic` topic (consumer group `modelcanary-shadow`):
+
+1. the live request goes to the route's candidate (its upstream `model` name, never streamed),
+   with the proxy's retry rules (`send_with_retries`, one RetryBudget per route); with
+   `shadow.noise_floor` it goes to the stable model a second time, concurrently;
+2. each answer is classified by the proxy's own code (`classify_chat`, `error_cause`) and
+   priced from the model's `price` and its usage;
+3. the evaluators (collectors/evaluators) run, and one EvaluationRecord is published to
+   `evaluations`; the shadow metrics of DESIGN §7 and, when tracing is on, a span per shadow
+   call (linked to the live call's span) record the same.
+
+Delivery is at least once: offsets are committed only after every record taken from the
+subscription has been published (and, when the bus can say so, confirmed). Records are
+idempotent by request_id: a request already evaluated by this worker is skipped (bounded
+memory). Tool calls in answers are recorded and scored, never executed. Credentials: the
+provider's own key (`api_key_env`) only; TrafficEvents carry none from the client.
+
+`run_workers(...)` is what `modelcanary serve` runs in memory mode; `main(path)` is
+`modelcanary collect --config FILE` (Kafka mode), with `/metrics` and `/healthz` on
+`collect.metrics_port`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+
+from collectors.evaluators import default_evaluators
+from collectors.evaluators.agreement import compare
+from collectors.evaluators.base import EvalContext, Evaluator, ShadowCall
+from service import __version__, metrics
+from service.bus import EventBus, Subscription, make_bus
+from service.config import Checks, Config, ConfigError, load_config
+from service.outcome import classify_chat, error_cause, failed
+from service.records import CandidateResult, EvaluationRecord, EvaluationResult, Repro, TrafficEvent
+from service.segments import estimate_tokens, message_chars
+from service.upstream import make_providers
+from service.upstream.openai_compatible import OpenAICompatibleProvider
+from service.upstream.retry import RetryBudget, send_with_retries
+
+log = logging.getLogger("modelcanary.shadow")
+
+GROUP = "modelcanary-shadow"
+DEDUP_MEMORY = 200_000          # request ids remembered as evaluated
+COMMIT_INTERVAL_S = 1.0         # commit at least this often under steady load
+DRAIN_TIMEOUT_S = 10.0          # on stop: how long in-flight evaluations may take to finish
+FLUSH_TIMEOUT_S = 10.0          # how long to wait for the bus to confirm records before a commit
+POLL_TIMEOUT_S = 0.5
+MIN_BATCH = 100
+STREAM_KEYS = ("stream", "stream_options")
+
+
+# ---- upstream calls -------------------------------------------------------------------------------
+
+
+def _tokens(request: dict, response: dict | None) -> tuple[int, int]:
+    """(input, output) tokens: the answer's usage, else an estimate like the proxy's."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        return usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+    if response is None:
+        return 0, 0
+    messages = request.get("messages")
+    input_tokens = estimate_tokens(message_chars(messages)) if isinstance(messages, list) else 0
+    chars = 0
+    for choice in response.get("choices") or ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            continue
+        if isinstance(message.get("content"), str):
+            chars += len(message["content"])
+        for tc in message.get("tool_calls") or ():
+            if isinstance(tc, dict):
+                chars += len((tc.get("function") or {}).get("arguments") or "")
+    return input_tokens, estimate_tokens(chars)
+
+
+def shadow_body(request: dict, upstream_model: str) -> dict:
+    """The live request for another model: its upstream name, never streamed."""
+    body = {k: v for k, v in request.items() if k not in STREAM_KEYS}
+    body["model"] = upstream_model
+    return body
+
+
+class ShadowClient:
+    """Sends shadow calls through the proxy's providers and retry rules (the evaluators' Caller)."""
+
+    def __init__(self, config: Config, providers: dict[str, OpenAICompatibleProvider], tracing: object | None = None):
+        self.config = config
+        self.providers = providers
+        self.tracing = tracing if getattr(tracing, "enabled", False) else None
+        self.budgets: dict[str, RetryBudget] = {}
+
+    async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None,
+                   link_traceparent: str | None = None, finish_span: bool = True) -> ShadowCall:
+        """One shadow call. With `finish_span=False` the caller ends the span (`end_span`), so that
+        evaluation results can be added to it first."""
+        config = self.config
+        model = config.models[model_key]
+        provider = self.providers[model.provider]
+        if checks is None:
+            rc = config.routes.get(route)
+            checks = rc.checks if rc is not None else Checks()
+        data = json.dumps(shadow_body(body, model.name), separators=(",", ":"), ensure_ascii=False).encode()
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        auth = provider.auth_header(None)  # the provider's own key; shadow calls never carry a client's
+        if auth:
+            headers["Authorization"] = auth
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.start_call(route=route, role="shadow", request_model=model.name,  # type: ignore[attr-defined]
+                                           provider=model.provider, traceparent=None, stream=False,
+                                           link_traceparent=link_traceparent)
+            if span is not None:
+                headers.update(span.upstream_headers())
+        budget = self.budgets.get(route)
+        if budget is None:
+            budget = self.budgets[route] = RetryBudget()
+        retry_no = 0
+
+        def on_retry(cause: str, t0: int, t1: int) -> None:
+            nonlocal retry_no
+            retry_no += 1
+            if span is not None:
+                span.retry(retry_no, cause, t0, t1)
+
+        started = time.perf_counter()
+        result = await self._send(provider, data, headers, budget, on_retry, model_key, body, checks)
+        result.latency_s = time.perf_counter() - started
+        result.input_tokens, result.output_tokens = _tokens(body, result.response)
+        result.cost_usd = model.price.cost(result.input_tokens, result.output_tokens)
+        result.span = span
+        if finish_span:
+            end_span(result, body)
+        return result
+
+    async def _send(self, provider, data: bytes, headers: dict, budget: RetryBudget, on_retry: Callable,
+                    model_key: str, request: dict, checks: Checks) -> ShadowCall:
+        try:
+            attempt = await send_with_retries(provider, "/chat/completions", data, headers, False, budget,
+                                              on_retry=on_retry,
+                                              deadline_s=self.config.providers[provider.name].timeout_s)
+        except Exception as e:  # our own bug, not the model's
+            log.exception("shadow call to %s failed", model_key)
+            return ShadowCall(model_key, failed("proxy_error", type(e).__name__))
+        if attempt.failure is not None:
+            return ShadowCall(model_key, failed(attempt.failure.cause, attempt.failure.detail), retries=attempt.retries)
+        reply = attempt.reply
+        assert reply is not None
+        status = reply.status
+        if not 200 <= status < 300:
+            try:
+                parsed = json.loads(reply.body)
+            except ValueError:
+                parsed = None
+            return ShadowCall(model_key, failed(error_cause(status, parsed if isinstance(parsed, dict) else None)),
+                              status=status, retries=attempt.retries)
+        try:
+            response = json.loads(reply.body)
+        except ValueError:
+            response = None
+        if not isinstance(response, dict):
+            return ShadowCall(model_key, failed("bad_response", "malformed JSON from upstream"), status=status,
+                              retries=attempt.retries)
+        verdict = classify_chat(request, response, checks)
+        if verdict.cause == "bad_response":
+            return ShadowCall(model_key, verdict, status=status, retries=attempt.retries)
+        return ShadowCall(model_key, verdict, response=response, status=status, retries=attempt.retries)
+
+
+def end_span(call: ShadowCall, body: dict) -> None:
+    """End a shadow call's span with its outcome (no-op without tracing)."""
+    span = call.span
+    if span is None:
+        return
+    response = call.response or {}
+    span.finish(response_model=response.get("model"), input_tokens=call.input_tokens,  # type: ignore[attr-defined]
+                output_tokens=call.output_tokens,
+                finish_reasons=[c.get("finish_reason") for c in response.get("choices") or ()
+                                if isinstance(c, dict) and c.get("finish_reason")],
+                cause=call.verdict.cause, prompt=body.get("messages"), completion=response.get("choices"))
+
+
+# ---- the worker ----------------------------------------------------------------------------------
+
+
+class _Seen:
+    """Request ids already evaluated, oldest forgotten first."""
+
+    def __init__(self, capacity: int = DEDUP_MEMORY):
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        if len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+
+class ShadowWorker:
+    """One consumer of the traffic topic with up to `collect.concurrency` evaluations in flight."""
+
+    def __init__(self, config: Config, bus: EventBus, providers: dict[str, OpenAICompatibleProvider],
+                 tracing: object | None = None, evaluators: list[Evaluator] | None = None, group: str = GROUP):
+        self.config = config
+        self.bus = bus
+        self.group = group
+        self.client = ShadowClient(config, providers, tracing)
+        self.evaluators = evaluators if evaluators is not None else default_evaluators()
+        self.concurrency = config.collect.concurrency
+        self.batch_size = max(self.concurrency, MIN_BATCH)  # records taken per read (fewer round trips)
+        self.config_version = config.version()
+        self.seen = _Seen()
+        self._working: set[str] = set()
+        self._warned: set[str] = set()
+        self.evaluated = 0
+        self.skipped = 0
+        self.errors = 0
+        self._warn_keyless(providers)
+
+    def _warn_keyless(self, providers: dict[str, OpenAICompatibleProvider]) -> None:
+        """Shadow calls never carry a client's key: a provider without `api_key_env` gets none."""
+        used = set()
+        for rc in self.config.routes.values():
+            if rc.candidate:
+                used.update({rc.candidate, rc.stable})
+                if rc.shadow.judge is not None:
+                    used.add(rc.shadow.judge.model)
+        for name in sorted({self.config.models[m].provider for m in used}):
+            provider = providers.get(name)
+            if provider is not None and provider.auth_header(None) is None:
+                log.warning("provider %s has no api_key_env (or it is unset): shadow calls to it carry no "
+                            "credentials (a client's key is never reused)", name)
+
+    # ---- the consume loop ----------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Take traffic in batches, keep up to `concurrency` evaluations in flight, and commit once
+        everything taken so far is published: when the worker runs dry, or every COMMIT_INTERVAL_S
+        (it then stops taking new records until those in flight are done)."""
+        sub = self.bus.subscribe(["traffic"], group=self.group)
+        inflight: set[asyncio.Task] = set()
+        backlog: deque = deque()  # taken from the bus, not started yet (at most `batch_size`)
+        uncommitted = 0
+        last_commit = time.monotonic()
+        max_uncommitted = max(100, 10 * self.concurrency)
+        log.info("shadow worker started (group %s, concurrency %d)", self.group, self.concurrency)
+        try:
+            while not stop.is_set():
+                while backlog and len(inflight) < self.concurrency:
+                    task = asyncio.create_task(self._guarded(backlog.popleft()))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+                if uncommitted and not backlog and not inflight:
+                    await self._commit(sub)
+                    uncommitted, last_commit = 0, time.monotonic()
+                    continue
+                draining = uncommitted and (time.monotonic() - last_commit >= COMMIT_INTERVAL_S
+                                            or uncommitted >= max_uncommitted)
+                if draining or backlog or len(inflight) >= self.concurrency:
+                    await asyncio.wait(inflight, timeout=POLL_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    batch = await sub.get_batch(self.batch_size, 0.05 if inflight else POLL_TIMEOUT_S)
+                except Exception:  # the bus recovers on its own; keep the worker alive
+                    log.exception("reading traffic failed; retrying")
+                    await asyncio.sleep(1.0)
+                    continue
+                backlog.extend(batch)
+                uncommitted += len(batch)
+                if not batch and inflight:
+                    await asyncio.wait(inflight, timeout=POLL_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+            # stopping: finish what is in flight; commit only if nothing taken was left undone
+            unfinished = len(backlog)
+            if inflight:
+                _, pending = await asyncio.wait(inflight, timeout=DRAIN_TIMEOUT_S)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    await asyncio.wait(pending)
+                    unfinished += len(pending)
+            if uncommitted and not unfinished:
+                await self._commit(sub)
+            elif uncommitted:
+                log.warning("stopped with %d traffic records unfinished; they will be delivered again", unfinished)
+        finally:
+            for task in list(inflight):
+                task.cancel()
+            await sub.close()
+            log.info("shadow worker stopped: %d evaluated, %d skipped, %d errors",
+                     self.evaluated, self.skipped, self.errors)
+
+    async def _commit(self, sub: Subscription) -> None:
+        flush: Callable[[float], Awaitable[bool]] | None = getattr(self.bus, "flush", None)
+        if flush is not None and not await flush(FLUSH_TIMEOUT_S):
+            log.warning("evaluation records not confirmed by the bus in %.0f s; not committing "
+                        "(the traffic will be evaluated again)", FLUSH_TIMEOUT_S)
+            return
+        await sub.commit()
+
+    async def _guarded(self, event: object) -> None:
+        route = getattr(event, "route", "unknown")
+        try:
+            if not isinstance(event, TrafficEvent):
+                raise TypeError(f"not a TrafficEvent: {type(event).__name__}")
+            await self.handle(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.errors += 1
+            metrics.shadow_dropped_total.labels(route, "error").inc()
+            log.exception("shadow evaluation of %s failed", getattr(event, "request_id", "?"))
+
+    # ---- one event -----------------------------------------------------------------------------
+    async def handle(self, event: TrafficEvent) -> EvaluationRecord | None:
+        """Evaluate one sampled request and publish its record (None: skipped)."""
+        rid = event.request_id
+        if rid in self.seen or rid in self._working:
+            self.skipped += 1
+            return None
+        rc = self.config.routes.get(event.route)
+        if rc is None or rc.candidate is None:
+            self.skipped += 1
+            metrics.shadow_dropped_total.labels(event.route, "error").inc()
+            if event.route not in self._warned:
+                self._warned.add(event.route)
+                log.warning("traffic for route %r skipped: %s", event.route,
+                            "not in this config" if rc is None else "it has no candidate")
+            return None
+        if event.config_version != self.config_version and event.config_version not in self._warned:
+            self._warned.add(event.config_version)
+            log.info("traffic from a proxy with config version %s; this worker runs %s (if routes or models "
+                     "differ, give both the same config)", event.config_version, self.config_version)
+        self._working.add(rid)
+        try:
+            record = await self._evaluate(event)
+        finally:
+            self._working.discard(rid)
+        self.bus.publish("evaluations", record)
+        self.seen.add(rid)
+        self.evaluated += 1
+        return record
+
+    async def _evaluate(self, event: TrafficEvent) -> EvaluationRecord:
+        config = self.config
+        route = event.route
+        rc = config.routes[route]
+        candidate_key = rc.candidate
+        assert candidate_key is not None
+        stable_key = event.primary.model if event.primary.model in config.models else rc.stable
+        request = event.request
+        again_task = asyncio.ensure_future(
+            self.client.call(route, stable_key, request, link_traceparent=event.traceparent)
+        ) if rc.shadow.noise_floor else None
+        candidate: ShadowCall | None = None
+        try:
+            candidate = await self.client.call(route, candidate_key, request, link_traceparent=event.traceparent,
+                                               finish_span=False)
+            stable_again = await again_task if again_task is not None else None
+            return await self._score(event, stable_key, candidate, stable_again)
+        finally:
+            if again_task is not None and not again_task.done():
+                again_task.cancel()
+            if candidate is not None:
+                end_span(candidate, request)  # after the evaluations were added to it
+
+    async def _score(self, event: TrafficEvent, stable_key: str, candidate: ShadowCall,
+                     stable_again: ShadowCall | None) -> EvaluationRecord:
+        config = self.config
+        route = event.route
+        rc = config.routes[route]
+        candidate_key = rc.candidate
+        assert candidate_key is not None
+        request = event.request
+        ctx = EvalContext(config=config, route=route, route_cfg=rc, event=event, request=request,
+                          live=event.primary.body, candidate=candidate, stable_again=stable_again,
+                          caller=self.client)
+        agreement = compare(ctx)
+        chosen = [e for e in self.evaluators if e.selected(ctx)]
+        evaluations = [await self._run_one(e, ctx) for e in chosen]  # the slow ones (judge, stability) are rare
+
+        usage = event.primary.usage or {}
+        stable_cost = config.models[stable_key].price.cost(int(usage.get("prompt_tokens") or 0),
+                                                           int(usage.get("completion_tokens") or 0))
+        verdict = candidate.verdict
+        params: dict = {"candidate": candidate_key, "candidate_upstream": config.models[candidate_key].name,
+                        "stable": stable_key, "noise_floor": rc.shadow.noise_floor,
+                        "traffic_config_version": event.config_version}
+        if isinstance(request.get("temperature"), (int, float)):
+            params["temperature"] = request["temperature"]
+        if any(e.name == "stability" for e in chosen):
+            params["stability_k"] = rc.shadow.stability.k
+        if rc.shadow.judge is not None and any(e.name == "judge" for e in chosen):
+            params["judge_model"] = rc.shadow.judge.model
+        seed = request.get("seed") if isinstance(request.get("seed"), int) else None
+        record = EvaluationRecord(
+            request_id=event.request_id, ts=time.time(), route=route, segment=event.segment,
+            stable_model=stable_key, candidate_model=candidate_key,
+            candidate=CandidateResult(outcome=verdict.outcome, cause=verdict.cause, blame=verdict.blame,
+                                      latency_s=candidate.latency_s, usage=candidate.usage,
+                                      cost_usd=candidate.cost_usd),
+            evaluations=evaluations, agreement=agreement,
+            repro=Repro(modelcanary_version=__version__, config_version=self.config_version,
+                        evaluator_versions={e.name: e.version for e in chosen}, params=params, seed=seed),
+            stable_latency_s=event.primary.latency_s, stable_cost_usd=stable_cost,
+        )
+        if stable_again is not None and "stable_again" in EvaluationRecord.model_fields:
+            sv = stable_again.verdict
+            record.stable_again = CandidateResult(  # type: ignore[attr-defined]
+                outcome=sv.outcome, cause=sv.cause, blame=sv.blame, latency_s=stable_again.latency_s,
+                usage=stable_again.usage, cost_usd=stable_again.cost_usd)
+        self._observe(route, candidate_key, stable_key, record, candidate)
+        return record
+
+    async def _run_one(self, evaluator: Evaluator, ctx: EvalContext) -> EvaluationResult:
+        try:
+            return await evaluator.evaluate(ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("evaluator %s failed on %s", evaluator.name, ctx.request_id)
+            return EvaluationResult(name=evaluator.name, version=evaluator.version, passed=None,
+                                    detail=f"evaluator error: {type(e).__name__}")
+
+    def _observe(self, route: str, candidate_key: str, stable_key: str, record: EvaluationRecord,
+                 candidate: ShadowCall) -> None:
+        metrics.shadow_requests_total.labels(route, candidate_key, record.candidate.outcome).inc()
+        agree = record.agreement
+        if agree.candidate_vs_stable is not None:
+            metrics.shadow_agreement_total.labels(route, candidate_key, "candidate",
+                                                  "agree" if agree.candidate_vs_stable else "disagree").inc()
+        if agree.stable_vs_stable is not None:
+            metrics.shadow_agreement_total.labels(route, stable_key, "noise_floor",
+                                                  "agree" if agree.stable_vs_stable else "disagree").inc()
+        span = candidate.span
+        for result in record.evaluations:
+            outcome = "pass" if result.passed else "fail" if result.passed is False else "error"
+            metrics.shadow_evaluations_total.labels(route, candidate_key, result.name, outcome).inc()
+            if span is not None:
+                span.evaluation(result.name, result.score, result.passed, result.detail)
+
+
+async def run_workers(config: Config, bus: EventBus, providers: dict[str, OpenAICompatibleProvider],
+                      tracing: object | None, stop: asyncio.Event) -> None:
+    """Shadow workers until `stop` is set (in-process under `serve` in memory mode, or `collect`)."""
+    if not any(rc.candidate for rc in config.routes.values()):
+        log.info("no route has a candidate; shadow workers idle")
+    worker = ShadowWorker(config, bus, providers, tracing)
+    await worker.run(stop)
+
+
+# ---- `modelcanary collect` -------------------------------------------------------------------------
+
+
+async def _serve_health(host: str, port: int, alive: Callable[[], bool]):
+    from aiohttp import web
+
+    async def metrics_handler(_request: web.Request) -> web.Response:
+        body, content_type = metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        ok = alive()
+        return web.json_response({"status": "ok" if ok else "stopped"}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner
+
+
+async def _collect(config: Config) -> int:
+    from service.tracing import Tracing
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bus = make_bus(config.events)
+    providers = make_providers(config)
+    tracing = Tracing(config.tracing, service_name="modelcanary-collect")
+    workers: asyncio.Task | None = None
+    runner = None
+    try:
+        runner = await _serve_health(config.server.host, config.collect.metrics_port,
+                                     lambda: workers is not None and not workers.done())
+        await bus.start()
+        log.info("collect: metrics on http://%s:%d/metrics", config.server.host, config.collect.metrics_port)
+        workers = asyncio.create_task(run_workers(config, bus, providers, tracing, stop))
+        await workers
+    finally:
+        if workers is not None and not workers.done():
+            workers.cancel()
+        await bus.close()
+        for provider in providers.values():
+            await provider.close()
+        tracing.shutdown()
+        if runner is not None:
+            await runner.cleanup()
+    return 0
+
+
+def main(config_path: str) -> int:
+    """`modelcanary collect --config FILE`: shadow workers in Kafka mode until SIGTERM/SIGINT."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as e:
+        print(f"error: config {e.source} is not valid:", file=sys.stderr)
+        for problem in e.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    if config.events.backend != "kafka":
+        print("error: `modelcanary collect` needs events.backend: kafka (in memory mode the shadow workers run "
+              "inside `modelcanary serve`)", file=sys.stderr)
+        return 1
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    try:
+        return runner(_collect(config))
+    except OSError as e:
+        print(f"error: cannot listen on {config.server.host}:{config.collect.metrics_port} "
+              f"(collect.metrics_port): {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0

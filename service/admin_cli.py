@@ -1,0 +1,299 @@
+"""`modelcanary status | promote | pause | resume | rollback | report`: the admin API as rich tables.
+
+Each function returns the process exit code: 0 on success, 1 with a one-line
+error on stderr for anything the operator can fix (unreachable URL, missing or
+wrong token, unknown route, a transition the phase does not allow).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+TIMEOUT_S = 10.0
+VERDICT_STYLE = {"worse": "bold red", "within": "green", "inconclusive": "yellow"}
+DECISION_STYLE = {"rollback": "bold red", "promote": "bold green", "step": "green", "hold": "yellow"}
+PHASE_STYLE = {"rolled_back": "bold red", "promoted": "bold green", "canary": "cyan", "shadow": "blue",
+               "paused": "magenta"}
+
+
+class AdminError(Exception):
+    """A failed admin call, already phrased for the operator."""
+
+
+def _request(method: str, url: str, path: str, token: str | None) -> Any:
+    full = url.rstrip("/") + path
+    req = urllib.request.Request(full, method=method, data=b"" if method == "POST" else None)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Accept", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+            return json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        message = _error_message(e)
+        hint = ""
+        if e.code == 401 and not token:
+            hint = " (pass --token or set MODELCANARY_ADMIN_TOKEN)"
+        raise AdminError(f"{method} {full}: HTTP {e.code}: {message}{hint}") from None
+    except urllib.error.URLError as e:
+        raise AdminError(f"cannot reach {full}: {e.reason}") from None
+    except (TimeoutError, OSError) as e:
+        raise AdminError(f"cannot reach {full}: {e}") from None
+    except ValueError:
+        raise AdminError(f"{method} {full}: the answer is not JSON") from None
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(e.read() or b"{}")
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(body.get("detail"), str):
+            return body["detail"]
+    except (ValueError, AttributeError):
+        pass
+    return e.reason or "request failed"
+
+
+def _fail(e: AdminError) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+
+
+def _q(route: str) -> str:
+    return urllib.parse.quote(route, safe="")
+
+
+def _console() -> Console:
+    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+
+# ---- status ----------------------------------------------------------------------------------------
+
+def status(url: str, token: str | None, route: str | None = None) -> int:
+    try:
+        if route:
+            states = [_request("GET", url, f"/admin/rollouts/{_q(route)}", token)]
+        else:
+            states = _request("GET", url, "/admin/rollouts", token).get("rollouts", [])
+    except AdminError as e:
+        return _fail(e)
+    _console().print(status_table(states))
+    return 0
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "–"
+    s = max(0.0, time.time() - float(ts))
+    if s < 90:
+        return f"{s:.0f}s ago"
+    if s < 5400:
+        return f"{s / 60:.0f}m ago"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f}h ago"
+    return f"{s / 86400:.1f}d ago"
+
+
+def _decision_text(d: dict | None, label: str = "") -> Text:
+    if not d:
+        return Text("–")
+    t = Text()
+    if label:
+        t.append(label + " ", style="dim")
+    t.append(d.get("decision", "?"), style=DECISION_STYLE.get(d.get("decision"), ""))
+    by = d.get("by")
+    if by and by != "controller":
+        t.append(f" by {by}", style="dim")
+    for line in (d.get("reasons") or [])[:6]:
+        t.append("\n  " + line)
+    more = len(d.get("reasons") or []) - 6
+    if more > 0:
+        t.append(f"\n  (+{more} more)", style="dim")
+    return t
+
+
+def status_table(states: list[dict]) -> Table:
+    table = Table(title="rollouts", show_lines=True)
+    for col in ("route", "stable → candidate", "phase", "weight", "step", "since", "last decision"):
+        table.add_column(col, justify="right" if col in ("weight", "step") else "left")
+    for s in states:
+        phase = s.get("phase", "?")
+        if phase == "paused" and s.get("paused_from"):
+            phase_t = Text(f"paused (from {s['paused_from']})", style=PHASE_STYLE["paused"])
+        else:
+            phase_t = Text(phase, style=PHASE_STYLE.get(phase, ""))
+        weight = s.get("canary_weight", 0.0) if phase != "promoted" else 1.0
+        step = s.get("step_index", -1)
+        decision = _decision_text(s.get("last_decision"))
+        rec = s.get("recommendation")
+        if rec:
+            decision.append("\n")
+            decision.append_text(_decision_text(rec, "judge now:"))
+        table.add_row(s.get("route", "?"), f"{s.get('stable')} → {s.get('candidate') or '–'}", phase_t,
+                      f"{100 * weight:.0f}%", "–" if step is None or step < 0 else str(step + 1),
+                      _ago(s.get("since")), decision)
+    return table
+
+
+# ---- promote | pause | resume | rollback --------------------------------------------------------------
+
+def act(url: str, token: str | None, route: str, action: str) -> int:
+    try:
+        state = _request("POST", url, f"/admin/rollouts/{_q(route)}/{_q(action)}", token)
+    except AdminError as e:
+        return _fail(e)
+    weight = state.get("canary_weight", 0.0) if state.get("phase") != "promoted" else 1.0
+    print(f"{route}: {action} → phase {state.get('phase')}, weight {100 * weight:.0f}%, "
+          f"step {state.get('step_index', -1) + 1}")
+    return 0
+
+
+# ---- report -------------------------------------------------------------------------------------------
+
+def report(url: str, token: str | None, route: str, as_json: bool = False) -> int:
+    try:
+        body = _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token)
+    except AdminError as e:
+        return _fail(e)
+    if as_json:
+        print(json.dumps(body, indent=2))
+        return 0
+    console = _console()
+    state = body.get("state") or {}
+    rep = body.get("report")
+    console.print(status_table([state]))
+    if not rep:
+        console.print("no report yet: the controller has not judged this route (no candidate, or no evidence yet)")
+        return 0
+    judge_part = rep.get("judge") or {}
+    shadow = rep.get("shadow")
+    if shadow:
+        for table in _shadow_tables(shadow):
+            console.print(table)
+    live = rep.get("live") or {}
+    if live.get("segments"):
+        console.print(live_table(live))
+    if judge_part.get("comparisons"):
+        console.print(judge_table(judge_part))
+    if judge_part.get("decision"):
+        console.print(Text.assemble(("judge: ", "bold"), _decision_text(
+            {"decision": judge_part["decision"], "reasons": judge_part.get("reasons", [])})))
+    return 0
+
+
+def _shadow_tables(summary: dict) -> list:
+    try:
+        from collectors.shadow_report import failures_table, shadow_table
+    except ImportError:
+        return [_generic_table("shadow", summary)]
+    try:
+        tables = [shadow_table(summary)]
+        if any((seg.get("failure_rate") or {}) for seg in (summary.get("segments") or {}).values()):
+            tables.append(failures_table(summary))
+        return tables
+    except (KeyError, TypeError, AttributeError):
+        return [_generic_table("shadow", summary)]
+
+
+def _generic_table(title: str, data: dict) -> Table:
+    table = Table(title=title)
+    table.add_column("key")
+    table.add_column("value")
+    for k, v in data.items():
+        table.add_row(str(k), json.dumps(v, default=str)[:200])
+    return table
+
+
+def _pct(p: dict | None, with_interval: bool = True) -> str:
+    if not p or p.get("value") is None:
+        return "–"
+    text = f"{100 * p['value']:.1f}%"
+    iv = p.get("interval")
+    if with_interval and iv:
+        text += f" [{100 * iv[0]:.1f}, {100 * iv[1]:.1f}]"
+    return text
+
+
+def _sec(v: float | None) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
+def _usd(v: float | None) -> str:
+    return "–" if v is None else f"{v:.6f}"
+
+
+def live_table(live: dict) -> Table:
+    table = Table(title=f"live canary: candidate vs stable over {live.get('windows', 0)} window(s) "
+                        f"(95% Wilson intervals; decisions use the judge's intervals below)", show_lines=False)
+    for col in ("segment", "arm", "n", "completion", "model failures", "client retries", "p50 s", "p95 s",
+                "$/completion", "task success"):
+        table.add_column(col, justify="left" if col in ("segment", "arm") else "right")
+    for seg, arms in live.get("segments", {}).items():
+        for i, name in enumerate(("stable", "candidate")):
+            a = arms.get(name)
+            if a is None:
+                continue
+            table.add_row(seg if i == 0 or "stable" not in arms else "", name, str(a.get("n", 0)),
+                          _pct(a.get("completion_rate")), _pct(a.get("model_failure_rate")),
+                          _pct(a.get("client_retry_rate"), False), _sec(a.get("latency_p50_s")),
+                          _sec(a.get("latency_p95_s")), _usd(a.get("cost_per_completion_usd")),
+                          _pct(a.get("task_success_rate")))
+    return table
+
+
+def _fmt_value(v: float | None, unit: str) -> str:
+    if v is None:
+        return "–"
+    return f"${v:.6f}" if unit == "ratio" else f"{100 * v:.1f}%"
+
+
+def _fmt_effect(c: dict) -> str:
+    e, iv, unit = c.get("effect"), c.get("interval"), c.get("unit")
+    if e is None:
+        return "–"
+    if unit == "ratio":
+        text = f"×{e:.2f}"
+        if iv:
+            hi = "∞" if iv[1] is None or iv[1] == float("inf") else f"{iv[1]:.2f}"
+            text += f"  [{iv[0]:.2f}, {hi}]"
+        return text
+    text = f"{100 * e:+.1f} pts".replace("-", "−")
+    if iv:
+        text += f"  [{100 * iv[0]:.1f}, {100 * iv[1]:.1f}]".replace("-", "−")
+    return text
+
+
+def judge_table(judge_part: dict) -> Table:
+    alpha = judge_part.get("alpha_per_comparison")
+    k = judge_part.get("comparisons_budget")
+    title = "judge: candidate vs stable per metric and segment (anytime-valid intervals"
+    if alpha:
+        title += f", α={alpha:.2g} each over {k} comparisons"
+    title += ")"
+    table = Table(title=title)
+    for col in ("metric", "segment", "stable", "candidate", "effect [interval]", "margin", "n", "verdict"):
+        table.add_column(col, justify="left" if col in ("metric", "segment", "verdict") else "right")
+    order = {"worse": 0, "inconclusive": 1, "within": 2}
+    rows = sorted(judge_part.get("comparisons", []),
+                  key=lambda c: (order.get(c.get("verdict"), 3), c.get("metric", ""), c.get("segment", "")))
+    for c in rows:
+        unit = c.get("unit")
+        margin = c.get("margin")
+        margin_s = "–" if margin is None else (f"×{margin:g}" if unit == "ratio" else f"{100 * margin:g} pts")
+        verdict = c.get("verdict", "?")
+        table.add_row(c.get("metric", "?"), c.get("segment", "?"), _fmt_value(c.get("stable"), unit),
+                      _fmt_value(c.get("candidate"), unit), _fmt_effect(c), margin_s,
+                      f"{c.get('n', 0)} / {c.get('n_stable', 0)}", Text(verdict, style=VERDICT_STYLE.get(verdict, "")))
+    return table

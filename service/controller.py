@@ -1,0 +1,367 @@
+"""The controller: consumes outcomes and evaluations, runs the judge, applies its decisions.
+
+In memory mode `modelcanary serve` runs `Controller(config, bus, book).run(stop)`
+as a task next to the proxy; in Kafka mode `modelcanary control` runs `main()`,
+which first follows the rollouts topic (so a restarted controller resumes the
+phase and step), then judges and publishes every change back to that topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable
+
+import aiohttp
+
+from service.bus.base import EventBus
+from service.config import Config, ConfigError, load_config
+from service.judge.decide import Judgement, judge
+from service.judge.evidence import RouteEvidence
+from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutState, dump
+from service.rollout import TERMINAL, RolloutBook
+
+log = logging.getLogger("modelcanary.controller")
+
+GROUP = "modelcanary-controller"
+MAX_BATCH = 2000
+MIN_INTERVAL_S = 0.05       # the judge never runs more often than this
+MAX_INTERVAL_S = 5.0        # ... and never less often than this
+MIN_GAP_ON_BATCH_S = 0.2    # a busy bus re-runs the judge at most this often
+WEBHOOK_TIMEOUT_S = 5.0
+
+
+class Controller:
+    """Per route: evidence, the judge's latest verdict, and the capability-matrix report."""
+
+    def __init__(self, config: Config, bus: EventBus, book: RolloutBook, notify_url: str | None = None, *,
+                 report_interval_s: float = 5.0, clock: Callable[[], float] = time.time):
+        self._config = config
+        self.bus = bus
+        self.book = book
+        self.notify_url = notify_url if notify_url is not None else config.notify.webhook_url
+        self.report_interval_s = report_interval_s
+        self.clock = clock
+        self.evidence: dict[str, RouteEvidence] = {}
+        self.judgements: dict[str, Judgement] = {}
+        self._reported_at: dict[str, float] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self.last_tick: float | None = None
+        book.on_change(self._on_change)
+
+    # ---- timing ---------------------------------------------------------------------------------
+    @property
+    def interval_s(self) -> float:
+        """At least every min_step_seconds / 10 (and control.interval_s when set)."""
+        options = [rc.rollout.min_step_seconds / 10 for rc in self.config.routes.values() if rc.candidate]
+        if self.config.control.interval_s:
+            options.append(self.config.control.interval_s)
+        return min(max(min(options, default=MAX_INTERVAL_S), MIN_INTERVAL_S), MAX_INTERVAL_S)
+
+    @property
+    def config(self) -> Config:
+        """The book's config, so a reload (`book.reload`) reaches the controller too."""
+        return getattr(self.book, "config", None) or self._config
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = self.bus.subscribe(["outcomes", "evaluations"], group=GROUP)
+        log.info("controller running: judge every %.2f s and on every batch", self.interval_s)
+        last = 0.0
+        try:
+            while not stop.is_set():
+                interval = self.interval_s
+                wait = min(max(0.0, last + interval - self.clock()), 1.0)
+                batch = await sub.get_batch(MAX_BATCH, wait)
+                for record in batch:
+                    self.ingest(record)
+                now = self.clock()
+                gap = min(MIN_GAP_ON_BATCH_S, interval)
+                if (batch and now - last >= gap) or now - last >= interval:
+                    try:
+                        self.tick(now)
+                    except Exception:  # a bug in one tick must not stop the controller
+                        log.exception("judge tick failed")
+                    last = now
+                if batch:
+                    await sub.commit()
+        finally:
+            try:
+                await sub.close()
+            except Exception:
+                log.debug("closing the controller subscription failed", exc_info=True)
+            await self._drain_webhooks()
+
+    # ---- evidence -------------------------------------------------------------------------------------
+    def _evidence_for(self, route: str) -> RouteEvidence | None:
+        state = self.book.states.get(route)
+        rc = self.config.routes.get(route)
+        if state is None or rc is None or state.candidate is None:
+            return None
+        ev = self.evidence.get(route)
+        same_rollout = ev is not None and (ev.stable, ev.candidate) == (state.stable, state.candidate)
+        if not same_rollout or ev.rc.task_types != rc.task_types:
+            ev = self.evidence[route] = RouteEvidence(route, rc, state.stable, state.candidate)
+        elif ev.rc is not rc:
+            ev.rc = rc  # config reloaded without a new rollout (e.g. other margins): keep the evidence
+        ev.sync(state)
+        return ev
+
+    def ingest(self, record: Record) -> bool:
+        """Add one outcome or evaluation record to its route's evidence."""
+        if isinstance(record, OutcomeEvent):
+            ev = self._evidence_for(record.route)
+            return ev.add_outcome(record) if ev is not None else False
+        if isinstance(record, EvaluationRecord):
+            ev = self._evidence_for(record.route)
+            return ev.add_evaluation(record) if ev is not None else False
+        return False
+
+    # ---- judging ------------------------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> dict[str, LastDecision]:
+        """Run the judge on every route under rollout; apply and record its decisions."""
+        now = self.clock() if now is None else now
+        self.last_tick = now
+        decisions: dict[str, LastDecision] = {}
+        for route, rc in self.config.routes.items():
+            state = self.book.states.get(route)
+            if state is None or state.candidate is None or state.phase in TERMINAL:
+                continue
+            ev = self._evidence_for(route)
+            if ev is None:
+                continue
+            j = judge(state, rc, ev, now)
+            self.judgements[route] = j
+            due = now - self._reported_at.get(route, -1e18) >= self.report_interval_s
+            d = j.decision
+            if d is None:  # paused: keep the report fresh, nothing to decide
+                if due:
+                    self.book.set_report(route, self._report(route, state, j, ev, now))
+                    self._reported_at[route] = now
+                continue
+            decisions[route] = d
+            prev = state.recommendation
+            acts = d.decision != "hold" and rc.rollout.mode == "auto"
+            changed = prev is None or prev.decision != d.decision
+            if acts or changed or due:
+                self.book.decide(route, d, report=self._report(route, state, j, ev, now))
+                self._reported_at[route] = now
+                if acts:
+                    log.info("route %s: %s — %s", route, d.decision, "; ".join(d.reasons))
+                    new_state = self.book.states[route]
+                    ev.sync(new_state)
+        return decisions
+
+    def _report(self, route: str, state: RolloutState, j: Judgement, ev: RouteEvidence, now: float) -> dict:
+        report: dict = {
+            "route": route,
+            "generated_at": now,
+            "phase": state.phase,
+            "step_index": state.step_index,
+            "canary_weight": state.canary_weight,
+            "stable": state.stable,
+            "candidate": state.candidate,
+            "judge": j.report(),
+            "live": ev.live_summary(),
+        }
+        if ev.shadow_stats is not None:
+            try:
+                report["shadow"] = ev.shadow_stats.summary()
+            except Exception:
+                log.exception("shadow summary failed for %s", route)
+        return finite(report)
+
+    # ---- notifications ------------------------------------------------------------------------------
+    def _on_change(self, new: RolloutState, old: RolloutState | None) -> None:
+        if not self.notify_url or old is None:
+            return
+        if new.phase == old.phase and new.step_index == old.step_index:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            log.warning("webhook for %s skipped: no event loop", new.route)
+            return
+        task = loop.create_task(self._post(webhook_payload(new, old)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _post(self, payload: dict) -> None:
+        url = self.notify_url
+        if not url:
+            return
+        try:
+            if self._session is None or self._session.closed:
+                self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S))
+            async with self._session.post(url, json=payload) as resp:
+                if resp.status >= 300:
+                    log.warning("webhook %s answered %s", _safe_url(url), resp.status)
+        except Exception as e:  # never raised: a notification must not affect a decision
+            log.warning("webhook %s failed: %s", _safe_url(url), type(e).__name__)
+
+    async def _drain_webhooks(self, timeout_s: float = 2.0) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+
+def finite(obj):
+    """The report as strict JSON: NaN and ±inf become null (JSON has neither)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def _safe_url(url: str) -> str:
+    """A webhook URL fit for a log line: its path and query often hold the secret (Slack, Teams)."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or '?'}{f':{parts.port}' if parts.port else ''}/…"
+
+
+def webhook_payload(new: RolloutState, old: RolloutState) -> dict:
+    d = new.last_decision
+    reasons = list(d.reasons) if d else []
+    step = f" step {new.step_index + 1} ({new.canary_weight * 100:g}%)" if new.phase == "canary" else ""
+    text = f"modelcanary: route {new.route} {old.phase} → {new.phase}{step}"
+    if reasons:
+        text += ": " + reasons[0]
+    state = dump(new)
+    state.pop("report", None)
+    return {
+        "event": "rollout_changed",
+        "route": new.route,
+        "from": old.phase,
+        "to": new.phase,
+        "step_index": new.step_index,
+        "canary_weight": new.canary_weight,
+        "decision": d.decision if d else None,
+        "by": d.by if d else None,
+        "reasons": reasons,
+        "text": text,
+        "state": state,
+    }
+
+
+# ---- `modelcanary control` (Kafka mode) --------------------------------------------------------------
+
+CATCH_UP_FIRST_WAIT_S = 5.0    # how long an empty rollouts topic is waited for
+CATCH_UP_MAX_S = 60.0
+
+
+async def follow_rollouts(sub, book: RolloutBook, stop: asyncio.Event | None = None, *,
+                          catch_up: bool = False) -> int:
+    """Adopt rollout states from the topic. With catch_up=True return once caught up (an empty poll
+    after data, or nothing within CATCH_UP_FIRST_WAIT_S); otherwise follow until `stop`."""
+    adopted = 0
+    seen = False
+    started = time.monotonic()
+    while stop is None or not stop.is_set():
+        batch = await sub.get_batch(500, 1.0 if catch_up else 0.5)
+        for rec in batch:
+            if isinstance(rec, RolloutState) and book.adopt(rec):
+                adopted += 1
+        if catch_up:
+            seen = seen or bool(batch)
+            waited = time.monotonic() - started
+            if (seen and not batch) or (not seen and waited >= CATCH_UP_FIRST_WAIT_S) or waited >= CATCH_UP_MAX_S:
+                return adopted
+    return adopted
+
+
+async def _serve_health(config: Config, controller_ref: dict):
+    from aiohttp import web
+
+    from service import metrics
+
+    async def metrics_handler(_request):
+        body, ctype = metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def healthz(_request):
+        c = controller_ref.get("controller")
+        return web.json_response({"status": "ok", "caught_up": c is not None,
+                                  "last_tick": c.last_tick if c else None})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.control.metrics_port)
+    await site.start()
+    return runner
+
+
+async def _control(config: Config) -> int:
+    from service.bus import make_bus
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    ref: dict = {}
+    runner = await _serve_health(config, ref)
+    bus = make_bus(config.events)
+    await bus.start()
+    book = RolloutBook(config, persist_path=None, publish=lambda s: bus.publish("rollouts", s))
+    follow = bus.subscribe(["rollouts"], group=None)
+    follower: asyncio.Task | None = None
+    try:
+        n = await follow_rollouts(follow, book, stop, catch_up=True)
+        for route, state in book.states.items():
+            log.info("resuming route %s: phase %s, step %d (%d states adopted)", route, state.phase,
+                     state.step_index, n)
+        controller = Controller(config, bus, book)
+        ref["controller"] = controller
+        follower = asyncio.create_task(follow_rollouts(follow, book, stop))
+        await controller.run(stop)
+    finally:
+        stop.set()
+        if follower is not None:
+            await asyncio.gather(follower, return_exceptions=True)
+        try:
+            await follow.close()
+        except Exception:
+            pass
+        await bus.close()
+        await runner.cleanup()
+    return 0
+
+
+def main(config_path: str) -> int:
+    """`modelcanary control --config FILE`: the controller process for Kafka mode."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as e:
+        print(f"error: {e.source}:", file=sys.stderr)
+        for line in e.problems:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    if config.events.backend != "kafka":
+        print("error: events.backend is memory; the controller runs inside `modelcanary serve` "
+              "(use `modelcanary control` with events.backend: kafka)", file=sys.stderr)
+        return 1
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(_control(config))
+    except KeyboardInterrupt:
+        return 0
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

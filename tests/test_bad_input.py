@@ -1,0 +1,197 @@
+"""Bad input against a real proxy: every refusal is a 4xx with an OpenAI-shaped body, nothing is a
+5xx, unknown fields reach the upstream untouched, and the proxy keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.faults.fault_proxy import FaultProxy
+from tests.fixtures.servers import metric_value, proxy_config, scrape, sim_config, start_proxy, start_simulator
+
+pytestmark = pytest.mark.timeout(180)
+ROUTE = "support-bot"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad-input")
+    sim = start_simulator(tmp, sim_config())
+    fault = FaultProxy("127.0.0.1", sim.port, capture_bytes=64 * 1024 * 1024).start()
+    cfg = proxy_config(fault.url)
+    proxy = start_proxy(tmp, cfg)
+    try:
+        yield proxy, fault
+    finally:
+        proxy.stop()
+        fault.stop()
+        sim.stop()
+
+
+def request(proxy, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+            timeout: float = 30) -> tuple[int, bytes, float]:
+    req = urllib.request.Request(proxy.url + path, data=body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(), time.monotonic() - t0
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), time.monotonic() - t0
+
+
+def openai_error(raw: bytes) -> dict:
+    body = json.loads(raw)
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and "code" in err and "param" in err, err
+    return err
+
+
+def chat(body: dict | bytes, **kw) -> bytes:
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("raw", "status", "param", "needle"), [
+    (b'{"model": "support-bot", "messages": [', 400, None, "not valid JSON"),
+    (b"", 400, None, "empty"),
+    (b"[1, 2]", 400, None, "JSON object"),
+    (b'"just a string"', 400, None, "JSON object"),
+    (b"[" * 200_000, 400, None, None),                                        # nested past the recursion limit
+    (b'{"model": "support-bot", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None, "UTF-8"),
+    (b'\xef\xbb\xbf{"model": "support-bot"}', 400, "messages", None),          # a UTF-8 BOM is tolerated
+    (b'{"model": 5, "messages": []}', 400, "model", None),
+    (b'{"model": null, "messages": []}', 400, "model", None),
+    (b'{"messages": []}', 400, "model", None),
+    (b'{"model": "support-bot", "messages": "hi"}', 400, "messages", None),
+    (b'{"model": "support-bot"}', 400, "messages", None),
+    (b'{"model": "support-bot", "messages": [], "stream": "yes"}', 400, "stream", None),
+    (b'{"model": "no-such-route", "messages": []}', 404, "model", "does not exist"),
+    (b'{"model": "' + b"x" * 100_000 + b'", "messages": []}', 404, "model", None),
+], ids=["truncated", "empty", "array", "string", "deep", "bad-utf8", "bom", "model-int", "model-null",
+        "model-missing", "messages-string", "messages-missing", "stream-string", "unknown-route", "huge-model-name"])
+def test_refused_with_openai_shaped_4xx(stack, raw, status, param, needle):
+    proxy, _ = stack
+    got, body, elapsed = request(proxy, "POST", "/v1/chat/completions", raw)
+    assert got == status, body[:300]
+    err = openai_error(body)
+    assert err["param"] == param, err
+    if needle:
+        assert needle in err["message"], err
+    assert len(err["message"]) < 1000  # a huge value is not echoed back whole
+    assert elapsed < 2
+
+
+def test_wrong_types_inside_messages_never_5xx(stack):
+    proxy, _ = stack
+    for body in ({"model": ROUTE, "messages": [1, 2, 3]},
+                 {"model": ROUTE, "messages": [{"role": 7, "content": {"a": 1}}]},
+                 {"model": ROUTE, "messages": MSG, "temperature": "hot", "max_tokens": -5},
+                 {"model": ROUTE, "messages": MSG, "tools": "not a list", "response_format": 3},
+                 {"model": ROUTE, "messages": MSG, "user": {"nested": True}, "n": 10**30}):
+        status, raw, _ = request(proxy, "POST", "/v1/chat/completions", chat(body))
+        assert status < 500, (body, raw[:300])
+        if status >= 400:
+            openai_error(raw)
+
+
+def test_unknown_fields_pass_through_to_the_upstream(stack):
+    proxy, fault = stack
+    fault.reset_counts()
+    body = {"model": ROUTE, "messages": MSG, "x_vendor_extension": {"nested": [1, "two", None]},
+            "metadata": {"ticket": "T-1"}, "seed": 7, "logit_bias": {"50256": -100}}
+    status, raw, _ = request(proxy, "POST", "/v1/chat/completions", chat(body))
+    assert status == 200, raw
+    sent = bytes(fault.captured)
+    upstream_body = json.loads(sent[sent.index(b"\r\n\r\n") + 4:])
+    assert upstream_body["x_vendor_extension"] == {"nested": [1, "two", None]}
+    assert upstream_body["metadata"] == {"ticket": "T-1"} and upstream_body["seed"] == 7
+    assert upstream_body["logit_bias"] == {"50256": -100}
+    assert upstream_body["model"] == "good-model"  # only the model is rewritten to the upstream's name
+
+
+def test_body_over_the_limit_is_413_and_under_it_is_served(stack):
+    proxy, _ = stack
+    limit = 10 * 1024 * 1024
+    content = "a" * (limit + 1024)
+    big = json.dumps({"model": ROUTE, "messages": [{"role": "user", "content": content}]}).encode()
+    status, raw, elapsed = request(proxy, "POST", "/v1/chat/completions", big)
+    assert status == 413 and openai_error(raw)["code"] == "request_too_large", raw
+    # without a content-length (chunked upload) the limit holds too
+    s = socket.create_connection(("127.0.0.1", proxy.port), timeout=30)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n")
+    try:
+        for i in range(0, len(big), 1 << 20):
+            piece = big[i:i + (1 << 20)]
+            s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        s.sendall(b"0\r\n\r\n")
+    except OSError:
+        pass  # the proxy answered and closed before the whole upload
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+            if b"\r\n\r\n" in data and b"}}" in data:
+                break
+    except OSError:
+        pass
+    s.close()
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    # 9.5 MB is under the limit: the proxy forwards it (the simulator refuses it as too long: a client 400)
+    ok = json.dumps({"model": ROUTE, "messages": [{"role": "user", "content": "b" * (limit - 512 * 1024)}]}).encode()
+    status, raw, _ = request(proxy, "POST", "/v1/chat/completions", ok)
+    assert status in (200, 400), raw[:300]
+    if status == 400:
+        assert openai_error(raw)["code"] == "context_length_exceeded"
+
+
+def test_messages_list_of_100k_items(stack):
+    proxy, _ = stack
+    body = json.dumps({"model": ROUTE, "messages": [{"role": "user", "content": f"m{i}"} for i in range(100_000)]})
+    status, raw, elapsed = request(proxy, "POST", "/v1/chat/completions", body.encode())
+    assert status in (200, 400), raw[:300]
+    if status == 400:
+        assert openai_error(raw)["code"] == "context_length_exceeded"
+    assert elapsed < 10, elapsed
+    # and a normal request right after is as quick as ever
+    status, _, elapsed = request(proxy, "POST", "/v1/chat/completions", chat({"model": ROUTE, "messages": MSG}))
+    assert status == 200 and elapsed < 1
+
+
+def test_unknown_routes_methods_and_malformed_http(stack):
+    proxy, _ = stack
+    for method, path, body, want in (("GET", "/nope", None, 404), ("POST", "/admin/nothing", b"{}", 404),
+                                     ("GET", "/v1/chat/completions", None, 405),
+                                     ("DELETE", "/healthz", None, 405),
+                                     ("POST", "/v1/feedback", b'{"success": "yes"}', 400),
+                                     ("POST", "/v1/feedback", b'{"success": true, "request_id": "x"}', 404),
+                                     ("POST", "/v1/feedback", b"\xff", 400)):
+        status, raw, _ = request(proxy, method, path, body)
+        assert status == want, (method, path, raw[:200])
+        openai_error(raw)
+    # bytes that are not HTTP at all get an OpenAI-shaped 400 too
+    s = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+    s.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage-tls-hello\r\n\r\n")
+    data = s.recv(65536)
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), data[:200]
+    openai_error(body)
+
+
+def test_proxy_is_healthy_after_all_of_it(stack):
+    proxy, _ = stack
+    status, raw, _ = request(proxy, "POST", "/v1/chat/completions", chat({"model": ROUTE, "messages": MSG}))
+    assert status == 200
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_failures_total", cause="proxy_error") == 0

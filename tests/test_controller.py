@@ -1,0 +1,219 @@
+"""The controller on the memory bus: rollback with the segment's reason, a full promotion, no traffic
+holds, restart keeps phase and step, report on the state, webhook on phase change."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+from aiohttp import web
+
+from service.bus.memory import MemoryBus
+from service.controller import Controller, webhook_payload
+from service.records import OutcomeEvent
+from service.rollout import RolloutBook
+from tests.judge_traffic import BAD_TOOLS, make_config, traffic
+
+pytestmark = pytest.mark.anyio
+
+STABLE = {"chat": 0.97, "json": 0.97, "tools": 0.97}
+BETTER = {"chat": 0.995, "json": 0.995, "tools": 0.995}
+WIDE_MARGINS = {"completion_rate": 0.03, "model_failure_rate": 0.03, "latency_p95_exceedance": 0.1,
+                "agreement_gap": 0.1}
+
+
+def publish(bus: MemoryBus, records: list) -> None:
+    for r in records:
+        bus.publish("outcomes" if isinstance(r, OutcomeEvent) else "evaluations", r)
+
+
+async def drive(bus, book, p_cand, until, *, per_round=400, shadow_rate=0.3, timeout=20.0, seed=0,
+                latency_scale=1.0):
+    """Publish traffic the way the proxy would, following the book's current split."""
+    rng = random.Random(seed)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = book.get("bot")
+        if until(state):
+            return state
+        split = book.routing["bot"]
+        weight = split.weight if split.canary else 0.0
+        publish(bus, traffic(per_round, weight, STABLE, p_cand, shadow_rate=shadow_rate, rng=rng,
+                             latency_scale=latency_scale))
+        await asyncio.sleep(0.02)
+    return book.get("bot")
+
+
+async def start(controller):
+    stop = asyncio.Event()
+    task = asyncio.create_task(controller.run(stop))
+    await asyncio.sleep(0)
+    return stop, task
+
+
+async def test_bad_tools_segment_is_rolled_back_with_its_reason():
+    cfg = make_config(rollout={"min_shadow_samples": 100, "min_samples_per_step": 100})
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    controller = Controller(cfg, bus, book, report_interval_s=0.2)
+    stop, task = await start(controller)
+    try:
+        final = await drive(bus, book, BAD_TOOLS, lambda s: s.phase in ("rolled_back", "promoted"))
+    finally:
+        stop.set()
+        await task
+    assert final.phase == "rolled_back"
+    d = final.last_decision
+    assert d.decision == "rollback" and d.by == "controller"
+    assert any(r.startswith("segment tools:") for r in d.reasons), d.reasons
+    assert all(e.verdict == "worse" for e in d.evidence)
+    assert {e.segment for e in d.evidence} >= {"tools"}
+    # the capability matrix travels on the state
+    assert final.report is not None
+    assert {"judge", "live"} <= set(final.report)
+    assert any(c["segment"] == "tools" and c["verdict"] == "worse" for c in final.report["judge"]["comparisons"])
+    assert final.canary_weight == 0.0 and book.routing["bot"].canary is None
+
+
+async def test_good_candidate_walks_shadow_steps_and_is_promoted():
+    cfg = make_config(rollout={"steps": [10, 50], "min_shadow_samples": 100, "min_samples_per_step": 150,
+                               "margins": WIDE_MARGINS})
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    seen: list[tuple[str, int]] = []
+    book.on_change(lambda new, old: seen.append((new.phase, new.step_index)))
+    controller = Controller(cfg, bus, book, report_interval_s=0.2)
+    stop, task = await start(controller)
+    try:
+        final = await drive(bus, book, BETTER, lambda s: s.phase in ("rolled_back", "promoted"), per_round=600,
+                            latency_scale=0.7, timeout=30)
+    finally:
+        stop.set()
+        await task
+    assert final.phase == "promoted", (final.last_decision, final.recommendation)
+    assert final.last_decision.decision == "promote"
+    assert "non-inferiority shown" in final.last_decision.reasons[0]
+    assert ("canary", 0) in seen and ("canary", 1) in seen
+    assert book.routing["bot"].stable == "candidate-m"
+
+
+async def test_no_traffic_holds():
+    cfg = make_config(rollout={"min_step_seconds": 0.5})
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    controller = Controller(cfg, bus, book, report_interval_s=0.1)
+    stop, task = await start(controller)
+    await asyncio.sleep(0.6)
+    stop.set()
+    await task
+    state = book.get("bot")
+    assert state.phase == "shadow" and state.step_index == -1
+    assert state.recommendation is not None and state.recommendation.decision == "hold"
+    assert "0/100 shadow samples" in state.recommendation.reasons[0]
+
+
+async def test_restart_with_persisted_state_keeps_phase_and_step(tmp_path):
+    cfg = make_config(rollout={"steps": [10, 50, 75], "min_shadow_samples": 100, "min_samples_per_step": 150})
+    path = tmp_path / "rollouts.json"
+    bus, book = MemoryBus(), RolloutBook(cfg, persist_path=path)
+    controller = Controller(cfg, bus, book, report_interval_s=0.2)
+    stop, task = await start(controller)
+    try:
+        reached = await drive(bus, book, BETTER, lambda s: s.phase == "canary" and s.step_index >= 1,
+                              per_round=600, latency_scale=0.7)
+    finally:
+        stop.set()
+        await task
+    assert reached.phase == "canary" and reached.step_index >= 1
+    # a new process: same file, new bus, new controller, no traffic yet
+    bus2, book2 = MemoryBus(), RolloutBook(cfg, persist_path=path)
+    resumed = book2.get("bot")
+    assert (resumed.phase, resumed.step_index, resumed.canary_weight) == \
+        (reached.phase, reached.step_index, reached.canary_weight)
+    controller2 = Controller(cfg, bus2, book2, report_interval_s=0.1)
+    stop2, task2 = await start(controller2)
+    await asyncio.sleep(0.3)
+    stop2.set()
+    await task2
+    after = book2.get("bot")
+    assert (after.phase, after.step_index) == (reached.phase, reached.step_index)
+    assert after.recommendation.decision == "hold"
+
+
+async def test_advisory_mode_recommends_only():
+    cfg = make_config(rollout={"mode": "advisory"})
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    controller = Controller(cfg, bus, book, report_interval_s=0.2)
+    stop, task = await start(controller)
+    try:
+        final = await drive(bus, book, BAD_TOOLS,
+                            lambda s: s.recommendation is not None and s.recommendation.decision == "rollback")
+    finally:
+        stop.set()
+        await task
+    assert final.phase == "shadow"
+    assert final.recommendation.decision == "rollback"
+    assert any("tools" in r for r in final.recommendation.reasons)
+
+
+async def test_webhook_gets_a_post_on_phase_change():
+    received: list[dict] = []
+    got = asyncio.Event()
+
+    async def hook(request):
+        received.append(await request.json())
+        got.set()
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/hook", hook)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        cfg = make_config(notify={"webhook_url": f"http://127.0.0.1:{port}/hook"})
+        bus, book = MemoryBus(), RolloutBook(cfg)
+        controller = Controller(cfg, bus, book)
+        assert controller.notify_url.endswith("/hook")
+        stop, task = await start(controller)
+        book.operate("bot", "rollback", by="operator", reason="drill")
+        await asyncio.wait_for(got.wait(), 5)
+        stop.set()
+        await task
+    finally:
+        await runner.cleanup()
+    body = received[0]
+    assert body["route"] == "bot" and body["from"] == "shadow" and body["to"] == "rolled_back"
+    assert body["reasons"] == ["drill"] and "rolled_back" in body["text"]
+    assert "report" not in body["state"]
+
+
+async def test_webhook_failure_is_logged_not_raised(caplog):
+    cfg = make_config(notify={"webhook_url": "http://127.0.0.1:9/unreachable"})
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    controller = Controller(cfg, bus, book)
+    stop, task = await start(controller)
+    state = book.operate("bot", "promote")  # shadow → first step; the POST fails in the background
+    await asyncio.sleep(0.3)
+    stop.set()
+    await task
+    assert state.phase == "canary"
+    assert any("webhook" in r.message for r in caplog.records)
+
+
+def test_webhook_payload_names_the_step():
+    cfg = make_config()
+    book = RolloutBook(cfg)
+    old = book.get("bot")
+    new = book.operate("bot", "promote")
+    p = webhook_payload(new, old)
+    assert p["from"] == "shadow" and p["to"] == "canary" and "step 1 (10%)" in p["text"]
+
+
+def test_interval_follows_min_step_seconds_and_control_interval():
+    cfg = make_config(rollout={"min_step_seconds": 20})
+    c = Controller(cfg, MemoryBus(), RolloutBook(cfg))
+    assert c.interval_s == pytest.approx(2.0)
+    cfg2 = make_config(rollout={"min_step_seconds": 20}, control={"interval_s": 0.5})
+    assert Controller(cfg2, MemoryBus(), RolloutBook(cfg2)).interval_s == pytest.approx(0.5)

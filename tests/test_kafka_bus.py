@@ -1,0 +1,557 @@
+"""The Kafka event bus against a real broker (Tansu): delivery, groups, followers, outage, spool."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+
+from service.bus.kafka import KafkaBus, check_compression, client_security, read_messages, read_topic
+from service.bus.spool import Spool
+from service.config import KafkaConfig, SpoolConfig
+from service.records import (
+    Agreement,
+    CandidateResult,
+    EvaluationRecord,
+    OutcomeEvent,
+    PrimaryResult,
+    Repro,
+    RolloutState,
+    TrafficEvent,
+)
+from tests.fixtures.broker import TansuBroker, free_port
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTITIONS = 3
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+
+def make_bus(bootstrap: str, spool_dir: Path, prefix: str, max_bytes: int = 64 * 1024 * 1024) -> KafkaBus:
+    return KafkaBus(
+        KafkaConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions=PARTITIONS, linger_ms=5),
+        SpoolConfig(dir=str(spool_dir), max_bytes=max_bytes),
+        queue_size=10000,
+        delivery_timeout_s=3.0,
+        request_timeout_s=2.0,
+        probe_interval_s=(0.2, 0.5),
+        close_timeout_s=2.0,
+        lag_interval_s=0.3,
+    )
+
+
+def prefix() -> str:
+    return "t" + uuid.uuid4().hex[:8]
+
+
+def outcome(tag: str, i: int) -> OutcomeEvent:
+    return OutcomeEvent(request_id=f"{tag}-{i}", ts=time.time(), route="support-bot", model="stable-m",
+                        role="stable", segment="chat", outcome="completed", latency_s=0.1)
+
+
+def evaluation(tag: str, i: int) -> EvaluationRecord:
+    return EvaluationRecord(
+        request_id=f"{tag}-e{i}", ts=time.time(), route="support-bot", segment="chat", stable_model="stable-m",
+        candidate_model="candidate-m", candidate=CandidateResult(outcome="completed", latency_s=0.2),
+        agreement=Agreement(candidate_vs_stable=True), repro=Repro(modelcanary_version="0", config_version="x"),
+    )
+
+
+def rollout(route: str, version: int) -> RolloutState:
+    return RolloutState(route=route, stable="stable-m", candidate="candidate-m", phase="canary",
+                        canary_weight=version / 100, step_index=version, since=time.time(), version=version)
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def published(topic: str = "outcomes") -> float:
+    return sample("modelcanary_events_published_total", topic=topic)
+
+
+def dropped(reason: str, topic: str = "outcomes") -> float:
+    return sample("modelcanary_events_dropped_total", topic=topic, reason=reason)
+
+
+def spooled_gauge(topic: str = "outcomes") -> float:
+    return sample("modelcanary_events_spooled", topic=topic)
+
+
+async def wait_for(cond, timeout_s: float, what: str, step: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        await asyncio.sleep(step)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def collect(sub, n: int, timeout_s: float) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += await sub.get_batch(100, 0.5)
+    return got
+
+
+def ids(records) -> list[str]:
+    return [r.request_id for r in records]
+
+
+# ---- delivery and consuming --------------------------------------------------------------------------
+
+
+async def test_round_trip_through_a_group(kafka_broker, tmp_path):
+    p, tag = prefix(), "rt"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        assert bus.connected and bus.idempotent is True  # idempotence works against this broker
+        sub = bus.subscribe(["outcomes", "evaluations"], group="rt-group")
+        before_o, before_e = published("outcomes"), published("evaluations")
+        for i in range(200):
+            bus.publish("outcomes", outcome(tag, i))
+        for i in range(20):
+            bus.publish("evaluations", evaluation(tag, i))
+        got = await collect(sub, 220, 30)
+        await sub.commit()
+        assert sorted(ids(got)) == sorted([f"{tag}-{i}" for i in range(200)] + [f"{tag}-e{i}" for i in range(20)])
+        assert {type(r).__name__ for r in got} == {"OutcomeEvent", "EvaluationRecord"}
+        await wait_for(lambda: published("outcomes") - before_o == 200, 10, "delivery confirmations")
+        assert published("evaluations") - before_e == 20
+
+        messages = read_messages(kafka_broker.bootstrap, f"{p}.outcomes", timeout_s=10)
+        assert len(messages) == 200
+        assert all(m.key == m.value["request_id"] for m in messages)
+        assert {m.value["schema"] for m in messages} == {"modelcanary.outcome/v1"}
+        assert len({m.partition for m in messages}) == PARTITIONS  # keyed by request_id: spread out
+        assert {m["request_id"] for m in read_topic(kafka_broker.bootstrap, f"{p}.evaluations", 10)} == {
+            f"{tag}-e{i}" for i in range(20)
+        }
+        # every topic exists; rollouts has one partition (one ordered history)
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
+        try:
+            described = {t["name"]: len(t["partitions"]) for t in admin.describe_topics(
+                [f"{p}.{t}" for t in ("outcomes", "traffic", "evaluations", "rollouts")])}
+        finally:
+            admin.close()
+        assert described == {f"{p}.outcomes": 3, f"{p}.traffic": 3, f"{p}.evaluations": 3, f"{p}.rollouts": 1}
+
+        # consumer lag is exported per (topic, group) and drains to 0
+        await sub.get_batch(10, 0.5)
+        await wait_for(lambda: REGISTRY.get_sample_value(
+            "modelcanary_consumer_lag", {"topic": "outcomes", "group": "rt-group"}) == 0.0, 5, "lag gauge")
+        await sub.close()
+    finally:
+        await bus.close()
+
+
+async def test_two_group_members_split_the_partitions(kafka_broker, tmp_path):
+    p, tag = prefix(), "split"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    a = bus.subscribe(["outcomes"], group="split-group")
+    b = bus.subscribe(["outcomes"], group="split-group")
+    try:
+        got_a: list = []
+        got_b: list = []
+
+        async def settle():
+            # both members poll until the group has given each of them partitions, together all of them
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                ra, rb = await asyncio.gather(a.get_batch(100, 0.3), b.get_batch(100, 0.3))
+                got_a.extend(ra)
+                got_b.extend(rb)
+                pa, pb = await a.assignment(), await b.assignment()
+                if pa and pb and len(pa | pb) == PARTITIONS and not pa & pb:
+                    return
+            raise AssertionError("group never split the partitions")
+
+        await settle()
+        for i in range(300):
+            bus.publish("outcomes", outcome(tag, i))
+        deadline = time.monotonic() + 30
+        while len(got_a) + len(got_b) < 300 and time.monotonic() < deadline:
+            ra, rb = await asyncio.gather(a.get_batch(100, 0.3), b.get_batch(100, 0.3))
+            got_a.extend(ra)
+            got_b.extend(rb)
+        assert got_a and got_b
+        assert not set(ids(got_a)) & set(ids(got_b))
+        assert sorted(ids(got_a) + ids(got_b)) == sorted(f"{tag}-{i}" for i in range(300))
+    finally:
+        await a.close()
+        await b.close()
+        await bus.close()
+
+
+async def test_at_least_once_until_committed(kafka_broker, tmp_path):
+    p, tag = prefix(), "alo"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        expected = sorted(f"{tag}-{i}" for i in range(40))
+        for i in range(40):
+            bus.publish("outcomes", outcome(tag, i))
+
+        first = bus.subscribe(["outcomes"], group="alo-group")
+        assert sorted(ids(await collect(first, 40, 20))) == expected
+        await first.close()  # no commit: everything comes again
+
+        second = bus.subscribe(["outcomes"], group="alo-group")
+        assert sorted(ids(await collect(second, 40, 20))) == expected
+        await second.commit()
+        await second.close()
+
+        third = bus.subscribe(["outcomes"], group="alo-group")
+        for i in range(40, 45):
+            bus.publish("outcomes", outcome(tag, i))
+        got = ids(await collect(third, 5, 20))
+        got += ids(await third.get_batch(100, 1.0))
+        assert sorted(got) == sorted(f"{tag}-{i}" for i in range(40, 45))  # only what was not committed
+        await third.close()
+    finally:
+        await bus.close()
+
+
+async def test_follower_reads_rollouts_from_the_beginning(kafka_broker, tmp_path):
+    p = prefix()
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        before = published("rollouts")
+        for v in (1, 2, 3):
+            bus.publish("rollouts", rollout("support-bot", v))
+        bus.publish("rollouts", rollout("search-bot", 7))
+        # written before any follower exists: followers start from the beginning
+        await wait_for(lambda: published("rollouts") - before == 4, 10, "rollout states delivered")
+
+        followers = [bus.subscribe(["rollouts"], group=None) for _ in range(2)]  # e.g. two replicas
+        for follower in followers:
+            got = await collect(follower, 4, 15)
+            assert [(r.route, r.version) for r in got] == [
+                ("support-bot", 1), ("support-bot", 2), ("support-bot", 3), ("search-bot", 7)]
+            latest = {r.route: r.version for r in got}
+            assert latest == {"support-bot": 3, "search-bot": 7}
+        bus.publish("rollouts", rollout("support-bot", 4))
+        for follower in followers:
+            assert [r.version for r in await collect(follower, 1, 10)] == [4]
+            await follower.close()
+    finally:
+        await bus.close()
+
+
+async def test_undecodable_records_are_skipped_and_counted(kafka_broker, tmp_path):
+    from kafka import KafkaProducer
+
+    p, tag = prefix(), "bad"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        producer = KafkaProducer(bootstrap_servers=kafka_broker.bootstrap)
+        for value in (b"not json", b'{"schema": "modelcanary.unknown/v9"}', b'{"schema": "modelcanary.outcome/v1"}'):
+            producer.send(f"{p}.outcomes", key=b"x", value=value)
+        producer.flush()
+        producer.close()
+        bus.publish("outcomes", outcome(tag, 1))
+        before = dropped("bad_record")
+        sub = bus.subscribe(["outcomes"], group="bad-group")
+        got = await collect(sub, 1, 20)
+        got += await sub.get_batch(100, 0.5)
+        assert ids(got) == [f"{tag}-1"]
+        assert dropped("bad_record") - before == 3
+        await sub.close()
+    finally:
+        await bus.close()
+
+
+async def test_a_record_too_large_for_kafka_is_dropped_and_counted(kafka_broker, tmp_path):
+    p, tag = prefix(), "big"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        huge = TrafficEvent(request_id=f"{tag}-0", ts=time.time(), route="support-bot", segment="chat",
+                            request={"messages": [{"role": "user", "content": "x" * 2_000_000}]},
+                            primary=PrimaryResult(model="stable-m", status=200, latency_s=0.1, outcome="completed"),
+                            config_version="x")
+        before_drop, before_pub = dropped("too_large", "traffic"), published()
+        bus.publish("traffic", huge)
+        bus.publish("outcomes", outcome(tag, 1))
+        await wait_for(lambda: published() - before_pub == 1, 10, "the next record delivered")
+        assert dropped("too_large", "traffic") - before_drop == 1
+        assert bus.connected and bus.spooled == 0  # one bad record does not take the producer down
+    finally:
+        await bus.close()
+
+
+# ---- outage, spool and replay -------------------------------------------------------------------------
+
+
+async def test_broker_outage_spools_and_replays_into_a_replaced_broker(fresh_kafka_broker, tmp_path):
+    broker = fresh_kafka_broker
+    p, tag = prefix(), "outage"
+    bus = make_bus(broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        base = published()
+        for i in range(50):
+            bus.publish("outcomes", outcome(tag, i))
+        await wait_for(lambda: published() - base == 50, 10, "first records delivered")
+
+        broker.stop()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        tick_task = asyncio.create_task(ticker())
+        slowest = 0.0
+        for i in range(50, 250):
+            t0 = time.perf_counter()
+            bus.publish("outcomes", outcome(tag, i))  # returns at once: a queue put, never I/O
+            slowest = max(slowest, time.perf_counter() - t0)
+            if i % 20 == 0:
+                await asyncio.sleep(0.01)
+        await wait_for(lambda: bus.spooled == 200, 15, "records spooled while the broker is down")
+        assert spooled_gauge() >= 200 and spooled_gauge() > 0
+        assert ticks > 20  # the loop kept running the whole time
+        tick_task.cancel()
+        print(f"slowest publish() while the broker was down: {slowest * 1e6:.0f} µs")
+        assert published() - base == 50
+
+        broker.start()  # memory storage: an empty, replaced broker (no topics, no producer ids)
+        await wait_for(lambda: published() - base == 250, 30, "spool replayed")
+        assert bus.spooled == 0 and spooled_gauge() == 0
+        for i in range(250, 260):  # after the replay, records go straight through again
+            bus.publish("outcomes", outcome(tag, i))
+        await wait_for(lambda: published() - base == 260, 10, "direct sends after recovery")
+
+        messages = read_messages(broker.bootstrap, f"{p}.outcomes", timeout_s=10)
+        got = Counter(m.value["request_id"] for m in messages)
+        assert set(got) == {f"{tag}-{i}" for i in range(50, 260)}  # the first 50 died with the old broker
+        # replay kept the order: within each partition, the numbers only grow
+        for part in {m.partition for m in messages}:
+            seq = [int(m.value["request_id"].rsplit("-", 1)[1]) for m in messages if m.partition == part]
+            first_seen = list(dict.fromkeys(seq))
+            assert first_seen == sorted(first_seen)
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        try:
+            assert {f"{p}.{t}" for t in ("outcomes", "traffic", "evaluations", "rollouts")} <= set(admin.list_topics())
+        finally:
+            admin.close()
+    finally:
+        await bus.close()
+    assert not list((tmp_path / "spool").glob("slot-*/seg-*.log"))  # replayed segments are deleted
+
+
+async def test_group_consumer_and_follower_survive_a_replaced_broker(fresh_kafka_broker, tmp_path):
+    broker = fresh_kafka_broker
+    p, tag = prefix(), "survive"
+    bus = make_bus(broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    group = bus.subscribe(["outcomes"], group="survive-group")
+    follower = bus.subscribe(["rollouts"], group=None)
+    try:
+        for i in range(10):
+            bus.publish("outcomes", outcome(tag, i))
+        for v in range(1, 6):
+            bus.publish("rollouts", rollout("support-bot", v))
+        assert len(await collect(group, 10, 20)) == 10
+        await group.commit()
+        assert [r.version for r in await collect(follower, 5, 10)] == [1, 2, 3, 4, 5]
+
+        broker.restart()  # comes back empty
+        for i in range(10, 20):
+            bus.publish("outcomes", outcome(tag, i))
+        bus.publish("rollouts", rollout("support-bot", 6))
+        got = await collect(group, 10, 40)
+        assert set(ids(got)) >= {f"{tag}-{i}" for i in range(10, 20)}
+        assert 6 in [r.version for r in await collect(follower, 1, 20)]
+    finally:
+        await group.close()
+        await follower.close()
+        await bus.close()
+
+
+async def test_spool_limit_drops_are_counted_exactly(tmp_path):
+    port = free_port()
+    broker = TansuBroker(port, log_path=tmp_path / "tansu.log")
+    p, tag = prefix(), "limit"
+    bus = make_bus(broker.bootstrap, tmp_path / "spool", p, max_bytes=20_000)  # room for ~50 outcomes
+    await bus.start()  # nothing listens yet
+    try:
+        assert not bus.connected
+        base_pub, base_drop = published(), dropped("spool_full")
+        sent = 200
+        for i in range(sent):
+            bus.publish("outcomes", outcome(tag, i))
+        await wait_for(lambda: bus.spooled + dropped("spool_full") - base_drop == sent, 10, "records handled")
+        kept = bus.spooled
+        assert 0 < kept < sent
+        assert spooled_gauge() == kept
+
+        broker.start()
+        await wait_for(lambda: bus.spooled == 0, 30, "spool replayed")
+        assert published() - base_pub == kept
+        assert published() - base_pub + dropped("spool_full") - base_drop == sent
+        got = {m["request_id"] for m in read_topic(broker.bootstrap, f"{p}.outcomes", 10)}
+        assert got == {f"{tag}-{i}" for i in range(kept)}  # the oldest were kept, the overflow dropped
+    finally:
+        await bus.close()
+        broker.stop()
+
+
+@pytest.mark.parametrize("ending", ["close", "crash"])
+async def test_spool_survives_a_process_restart(tmp_path, ending):
+    port = free_port()
+    spool_dir = tmp_path / "spool"
+    p, tag = prefix(), "restart"
+    script = textwrap.dedent(f"""
+        import asyncio, os, signal, time
+        from pathlib import Path
+        from tests.test_kafka_bus import make_bus, outcome, rollout
+
+        async def main():
+            bus = make_bus("127.0.0.1:{port}", Path({str(spool_dir)!r}), {p!r})  # nothing listens there
+            await bus.start()
+            for i in range(30):
+                bus.publish("outcomes", outcome({tag!r}, i))
+            bus.publish("rollouts", rollout("r", 1))
+            if {ending!r} == "crash":
+                while bus.spooled < 31:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.3)  # the sender thread hands each batch of lines to the OS
+                os.kill(os.getpid(), signal.SIGKILL)
+            await bus.close()
+
+        asyncio.run(main())
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, timeout=60,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert done.returncode == (0 if ending == "close" else -9), done.stderr.decode()[-2000:]
+    assert list(spool_dir.glob("slot-*/seg-*.log"))
+
+    broker = TansuBroker(port, log_path=tmp_path / "tansu.log").start()
+    bus = make_bus(broker.bootstrap, spool_dir, p)
+    try:
+        base_o, base_r = published("outcomes"), published("rollouts")
+        await bus.start()
+        await wait_for(lambda: bus.spooled == 0 and published("outcomes") - base_o == 30, 30, "replay after restart")
+        assert published("rollouts") - base_r == 1
+        got = [m["request_id"] for m in read_topic(broker.bootstrap, f"{p}.outcomes", 10)]
+        assert sorted(set(got)) == sorted(f"{tag}-{i}" for i in range(30))
+        assert [m["route"] for m in read_topic(broker.bootstrap, f"{p}.rollouts", 10)] == ["r"]
+    finally:
+        await bus.close()
+        broker.stop()
+    assert not list(spool_dir.glob("slot-*/seg-*.log"))  # replayed segments are deleted
+
+
+async def test_close_leaves_unsent_records_in_the_spool(tmp_path):
+    bus = make_bus(f"127.0.0.1:{free_port()}", tmp_path / "spool", prefix())
+    await bus.start()
+    for i in range(10):
+        bus.publish("outcomes", outcome("close", i))
+    await bus.close()
+    before = dropped("closed")
+    bus.publish("outcomes", outcome("close", 99))  # after close: counted, not raised
+    assert dropped("closed") - before == 1
+    spool = Spool(tmp_path / "spool", 1 << 20)
+    spool.open()
+    try:
+        assert len(spool) == 10
+        batch = spool.read(100)
+        assert batch is not None and [e.key for e in batch.entries] == [f"close-{i}" for i in range(10)]
+    finally:
+        spool.close()
+
+
+def test_spool_resumes_skips_torn_lines_and_adopts_orphaned_slots(tmp_path):
+    a = Spool(tmp_path, 1 << 20)
+    a.open()
+    for i in range(5):
+        assert a.append("outcomes", f"k{i}", b'{"i":%d}' % i)
+    other = Spool(tmp_path, 1 << 20)  # a second process sharing the directory gets its own slot
+    other.open()
+    assert (a.slot.name, other.slot.name) == ("slot-0", "slot-1")
+    other.append("rollouts", "r", b'{"v":1}')
+    other.close()  # exits with a record left behind
+    batch = a.read(2)
+    assert [e.key for e in batch.entries] == ["k0", "k1"]
+    a.commit(batch, 2)  # delivered: a restart does not resend them
+    a.close()
+    segment = sorted((tmp_path / "slot-0").glob("seg-*.log"))[-1]
+    with open(segment, "ab") as f:
+        f.write(b'outcomes\t"k9"\t{"i"')  # torn by a crash mid-write
+
+    before = dropped("bad_record")
+    spool = Spool(tmp_path, 1 << 20)
+    spool.open()  # takes slot-0 again and adopts the orphaned slot-1
+    try:
+        assert len(spool) == 4 and spooled_gauge("rollouts") == 1
+        keys = []
+        while (batch := spool.read(10)) is not None:
+            keys += [e.key for e in batch.entries]
+            spool.commit(batch, len(batch.entries))
+        assert keys == ["k2", "k3", "k4", "r"]
+        assert dropped("bad_record") - before == 1
+        assert len(spool) == 0 and not list(tmp_path.glob("slot-*/seg-*"))
+    finally:
+        spool.close()
+
+
+# ---- config ------------------------------------------------------------------------------------------
+
+
+def test_a_compression_codec_without_its_library_fails_at_start():
+    from kafka import codec
+
+    missing = [c for c, check in (("lz4", codec.has_lz4), ("snappy", codec.has_snappy), ("zstd", codec.has_zstd))
+               if not check()]
+    if not missing:
+        pytest.skip("every codec library is installed")
+    with pytest.raises(ValueError, match=f"compression_type: '{missing[0]}' needs the Python package"):
+        check_compression(missing[0])
+    check_compression("gzip")
+    check_compression(None)
+
+
+def test_security_settings_map_to_kafka_python(monkeypatch):
+    monkeypatch.setenv("MC_TEST_KAFKA_USER", "svc")
+    monkeypatch.setenv("MC_TEST_KAFKA_PASSWORD", "s3cret-value")
+    assert client_security({
+        "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username_env": "MC_TEST_KAFKA_USER", "sasl_plain_password_env": "MC_TEST_KAFKA_PASSWORD",
+        "ssl_cafile": "/etc/ca.crt", "ssl_check_hostname": True,
+    }) == {
+        "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "svc",
+        "sasl_plain_password": "s3cret-value", "ssl_cafile": "/etc/ca.crt", "ssl_check_hostname": True,
+    }
+    assert client_security(None) == {}
+    with pytest.raises(ValueError, match="MC_TEST_MISSING") as err:
+        client_security({"sasl_plain_password_env": "MC_TEST_MISSING"})
+    with pytest.raises(ValueError, match="unknown key 'sasl_passwd'") as err:
+        client_security({"sasl_passwd": "s3cret-value"})
+    assert "s3cret-value" not in str(err.value)
