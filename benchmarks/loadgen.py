@@ -50,6 +50,8 @@ class Conn(asyncio.Protocol):
         if self.busy:
             self.busy = False
             self.gen.failed(self, "connection_lost")
+        elif self in self.gen.conns:
+            self.gen.conns.remove(self)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -59,6 +61,11 @@ class Conn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         status = self.parser.get_status_code()
+        if not self.busy:  # an answer to no request: a server closing an idle connection (408, say)
+            self.gen.unsolicited[status] = self.gen.unsolicited.get(status, 0) + 1
+            self.closed = True
+            self.transport.close()
+            return
         self.busy = False
         self.gen.completed(self, status, self.parser.should_keep_alive())
 
@@ -91,7 +98,9 @@ class Generator:
         self.lags: list[float] = []           # how late requests went out vs their schedule
         self.status: dict[int, int] = {}
         self.errors: dict[str, int] = {}
+        self.unsolicited: dict[int, int] = {}
         self.sent = 0
+        self.last_done = 0.0
         self.outstanding = 0
         self.on_done = None
 
@@ -147,7 +156,8 @@ class Generator:
             self.loop.create_task(self._open_one())
 
     def completed(self, conn: Conn, status: int, keep_alive: bool) -> None:
-        self.latencies.append(time.perf_counter() - conn.started)
+        self.last_done = time.perf_counter()
+        self.latencies.append(self.last_done - conn.started)
         self.status[status] = self.status.get(status, 0) + 1
         self.outstanding -= 1
         if keep_alive:
@@ -188,7 +198,7 @@ def summary(gen: Generator, elapsed: float, mode: dict) -> dict:
            "errors": sum(gen.errors.values()) + (len(lat) - ok), "socket_errors": gen.errors,
            "unanswered": gen.outstanding, "elapsed_s": round(elapsed, 3),
            "achieved_rps": round(len(lat) / elapsed, 1) if elapsed > 0 else None,
-           "connections": len(gen.conns)}
+           "connections": len(gen.conns), "idle_closed_by_server": gen.unsolicited}
     for q in (50, 90, 99, 99.9):
         v = percentile(lat, q)
         out[f"p{q:g}_ms".replace(".", "")] = round(v * ms, 4) if v is not None else None
@@ -212,7 +222,8 @@ async def open_loop(gen: Generator, rate: float, duration_s: float, connections:
     deadline = time.perf_counter() + drain_s
     while gen.outstanding > 0 and time.perf_counter() < deadline:
         await asyncio.sleep(0.01)
-    elapsed = n / rate
+    # answered per second: over the sending window, or until the last answer when they fell behind
+    elapsed = max(n / rate, gen.last_done - t0)
     return summary(gen, elapsed, {"mode": "open", "rate": rate, "duration_s": duration_s})
 
 

@@ -184,8 +184,8 @@ def judge_speed(n: int, seconds: float) -> dict:
 # ---- the benchmark ---------------------------------------------------------------------------
 
 def run(quick: bool = False) -> dict:
-    n_events = 30_000 if quick else 150_000
-    duration = 3.0 if quick else 8.0
+    n_events = 20_000 if quick else 150_000
+    duration = 2.0 if quick else 8.0
     notes: list[str] = []
     data: dict = {}
     from tests.fixtures.broker import tansu_binary

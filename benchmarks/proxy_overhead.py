@@ -39,7 +39,7 @@ def _measure(proc: h.Proc, body: dict, concurrency: int, duration_s: float, tmp:
 
 
 def run(quick: bool = False, with_litellm: bool = True) -> dict:
-    duration = 3.0 if quick else 10.0
+    duration = 2.0 if quick else 10.0
     concurrencies = [1, 16] if quick else [1, 16, 64]
     runs: dict[str, dict[int, dict]] = {}
     notes: list[str] = []

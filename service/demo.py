@@ -88,7 +88,7 @@ async def _traffic(url: str, stop: asyncio.Event, rate: float, sent: list[int]) 
             try:
                 async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                     await r.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
             finally:
                 sem.release()

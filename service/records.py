@@ -107,6 +107,8 @@ class EvaluationRecord(Record):
     evaluations: list[EvaluationResult] = []
     agreement: Agreement = Agreement()
     repro: Repro
+    # the stable model asked again (noise_floor): the fair reference for shadow failure rates
+    stable_again: CandidateResult | None = None
     # the live (stable) answer's latency, so shadow latency can be compared pairwise
     stable_latency_s: float | None = None
     stable_cost_usd: float | None = None

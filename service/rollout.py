@@ -121,7 +121,7 @@ class RolloutBook:
     def adopt(self, incoming: RolloutState) -> bool:
         """Follow a state published elsewhere (Kafka mode): newer version of a known route wins."""
         current = self.states.get(incoming.route)
-        if current is None or incoming.version <= current.version:
+        if current is None or _precedence(incoming) <= _precedence(current):
             return False
         if incoming.stable != current.stable or incoming.candidate != current.candidate:
             rc = self._config.routes.get(incoming.route)
@@ -222,6 +222,13 @@ class RolloutBook:
         payload = {"rollouts": [s.model_dump(mode="json", by_alias=True) for s in self.states.values()]}
         tmp.write_text(json.dumps(payload, indent=2))
         os.replace(tmp, self._persist_path)
+
+
+def _precedence(state: RolloutState) -> tuple[int, int, float]:
+    """Newer version wins; on a tie (an operator and the controller committing at once) the
+    operator's action, then the later one, so every replica settles on the same state."""
+    by_operator = int(state.last_decision is not None and state.last_decision.by == "operator")
+    return state.version, by_operator, state.since
 
 
 def _decision_of(action: Action) -> Literal["step", "hold", "promote", "rollback"]:

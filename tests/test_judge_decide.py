@@ -211,3 +211,19 @@ def test_analysis_shapes():
     rolled = book.operate("bot", "rollback")
     a3 = analysis(rolled)
     assert a3["healthy"] is False and a3["phase"] == "rolled_back"
+
+
+def test_task_success_from_feedback_is_judged():
+    cfg = make_config()
+    state, rc, ev = _setup(cfg, step=1)
+    rng = random.Random(8)
+    for _ in range(600):
+        for role, p in (("stable", 0.9), ("canary", 0.6)):
+            fb = outcome(role, "chat", True)
+            fb.kind, fb.outcome, fb.success = "feedback", None, rng.random() < p
+            ev.add_outcome(fb)
+    j = judge(state, rc, ev)
+    ts = [c for c in j.comparisons if c.spec.name == "task_success_rate" and c.segment == "chat"]
+    assert ts and ts[0].verdict == WORSE and ts[0].n == 600
+    assert j.decision.decision == "rollback"
+    assert any(r.startswith("segment chat: task success") for r in j.decision.reasons)

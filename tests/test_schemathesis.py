@@ -16,7 +16,7 @@ from schemathesis import GenerationMode
 from tests.fixtures.servers import metric_value, proxy_config, scrape, sim_config, start_proxy, start_simulator
 
 TOKEN = "schemathesis-admin-token"
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 50
 MAX_SECONDS = 1.0
 
 

@@ -167,7 +167,7 @@ def test_proxy_to_collect_end_to_end_one_record_each_and_no_credentials(kafka_br
 
 def test_worker_killed_mid_batch_and_restarted_loses_nothing(kafka_broker, servers, tmp_path):
     bootstrap, prefix = kafka_broker.bootstrap, "kill" + uuid.uuid4().hex[:8]
-    sim = servers.simulator(sim_cfg(candidate_latency_s=0.2))  # the worker lags: killed with work in flight
+    sim = servers.simulator(sim_cfg(candidate_latency_s=0.1))  # the worker lags: killed with work in flight
     cfg = stack_config(sim.url, bootstrap, prefix, sample_rate=1.0)
     proxy = servers.proxy(cfg)
     client = client_for(proxy)

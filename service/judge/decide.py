@@ -202,7 +202,7 @@ def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], 
             lines.append(f"{where}: overall completion rate has fewer than {ro.min_samples_per_step} samples per arm")
         if pending:
             lines.append(f"{where}: waiting for non-inferiority in {len(pending)} of {len(gates)} comparisons")
-            lines += [c.reason() for c in _closest_first(pending)[:MAX_HOLD_REASONS]]
+            lines += [c.reason() for c in _widest_first(pending)[:MAX_HOLD_REASONS]]
             if len(pending) > MAX_HOLD_REASONS:
                 lines.append(f"(+{len(pending) - MAX_HOLD_REASONS} more)")
     if past_max:
@@ -226,8 +226,8 @@ def _progress(samples: int, needed: int, age: float, min_s: float, shadow: bool,
     return [f"{prefix}{samples}/{needed} {kind}, {min(age, min_s):.0f}/{min_s:g} s"]
 
 
-def _closest_first(cs: list[Comparison]) -> list[Comparison]:
-    """Pending comparisons, the ones furthest from being shown first (least data relative to width)."""
+def _widest_first(cs: list[Comparison]) -> list[Comparison]:
+    """Pending comparisons with the widest intervals (furthest from being shown) first."""
     def width(c: Comparison) -> float:
         if c.interval is None:
             return math.inf

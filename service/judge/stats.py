@@ -21,6 +21,8 @@ Method (docs/judge.md has the derivation and the guarantee):
   holds for all times at once with probability ≥ 1 − α (Ville's inequality on
   the mixture likelihood ratio), asymptotically in the sense of Waudby-Smith
   et al. 2021 (time-uniform CLT), because V is a plug-in estimate.
+  `multi_scale_radius` mixes a few τ with prior weights, so that small effects
+  on much data and large effects on little data are both caught quickly.
 """
 
 from __future__ import annotations
