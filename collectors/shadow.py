@@ -414,9 +414,9 @@ class ShadowWorker:
                         evaluator_versions={e.name: e.version for e in chosen}, params=params, seed=seed),
             stable_latency_s=event.primary.latency_s, stable_cost_usd=stable_cost,
         )
-        if stable_again is not None and "stable_again" in EvaluationRecord.model_fields:
+        if stable_again is not None:
             sv = stable_again.verdict
-            record.stable_again = CandidateResult(  # type: ignore[attr-defined]
+            record.stable_again = CandidateResult(
                 outcome=sv.outcome, cause=sv.cause, blame=sv.blame, latency_s=stable_again.latency_s,
                 usage=stable_again.usage, cost_usd=stable_again.cost_usd)
         self._observe(route, candidate_key, stable_key, record, candidate)

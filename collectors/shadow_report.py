@@ -228,7 +228,7 @@ class Segment:
             if len(ids) < EXAMPLES:
                 ids.append(r.request_id)
         self.cand_cost.add(cand.cost_usd or 0.0, 1.0 if completed else 0.0)
-        again = getattr(r, "stable_again", None)
+        again = r.stable_again
         if again is not None:
             self.replay_n += 1
             if again.outcome == "completed":
@@ -317,7 +317,7 @@ class ShadowStats:
             self._seen.popitem(last=False)
         self.n += 1
         self.stable_model, self.candidate_model = record.stable_model, record.candidate_model
-        if getattr(record, "stable_again", None) is not None:
+        if record.stable_again is not None:
             self._replayed += 1
         self._segments[OVERALL].add(record)
         segment = record.segment or "chat"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -14,12 +16,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from collectors.shadow import run_workers
 from service import metrics
 from service.admin import admin_router
 from service.bus import EventBus, make_bus
-from service.config import Config, load_config
+from service.config import Config, ConfigError, load_config
+from service.controller import Controller, follow_rollouts
 from service.errors import openai_error
-from service.proxy import Proxy
+from service.proxy import BadRequest, Proxy
 from service.recorder import Recorder
 from service.records import RolloutState
 from service.rollout import RolloutBook
@@ -104,6 +108,8 @@ class Runtime:
         self.proxy = Proxy(config, self.book, self.providers, self.recorder, self.tracing)
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
+        self._shadow: asyncio.Task | None = None
+        self._shadow_stop = asyncio.Event()
 
     def _publish_rollout(self, state: RolloutState) -> None:
         self.bus.publish("rollouts", state)
@@ -111,29 +117,40 @@ class Runtime:
     async def start(self) -> None:
         await self.bus.start()
         if self.config.events.backend == "kafka":
-            self.tasks.append(asyncio.create_task(self._follow_rollouts(), name="rollouts-follower"))
+            follow = self.bus.subscribe(["rollouts"], group=None)
+            self.tasks.append(asyncio.create_task(follow_rollouts(follow, self.book, self.stop), name="rollouts"))
         else:
-            from collectors.shadow import run_workers
-            from service.controller import Controller
-
-
             controller = Controller(self.config, self.bus, self.book, self.config.notify.webhook_url)
             self.tasks.append(asyncio.create_task(controller.run(self.stop), name="controller"))
-            self.tasks.append(asyncio.create_task(
-                run_workers(self.config, self.bus, self.providers, self.tracing, self.stop), name="shadow-workers"))
+            self._start_shadow_workers()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # main thread only
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_on_sighup)
 
-    async def _follow_rollouts(self) -> None:
-        sub = self.bus.subscribe(["rollouts"], group=None)
+    def _start_shadow_workers(self) -> None:
+        """In-process shadow workers (memory mode), stopped with `stop` or replaced on reload."""
+        self._shadow_stop = asyncio.Event()
+        self._shadow = asyncio.create_task(
+            run_workers(self.config, self.bus, self.providers, self.tracing, self._shadow_stop), name="shadow-workers")
+
+    async def _restart_shadow_workers(self) -> None:
+        self._shadow_stop.set()
+        await asyncio.gather(self._shadow, return_exceptions=True)
+        if not self.stop.is_set():
+            self._start_shadow_workers()
+
+    def _reload_on_sighup(self) -> None:
         try:
-            while not self.stop.is_set():
-                for state in await sub.get_batch(100, 0.5):
-                    if isinstance(state, RolloutState):
-                        self.book.adopt(state)
-        finally:
-            await sub.close()
+            self.reload()
+        except ConfigError as e:
+            log.error("SIGHUP: config not reloaded: %s", "; ".join(e.problems))
+        except ValueError as e:
+            log.error("SIGHUP: %s", e)
 
     async def close(self) -> None:
         self.stop.set()
+        if self._shadow is not None:
+            self._shadow_stop.set()
+            self.tasks.append(self._shadow)
         for task in self.tasks:
             try:
                 await asyncio.wait_for(task, 5)
@@ -161,6 +178,8 @@ class Runtime:
         self.recorder.reload(config)
         self.proxy.reload(config)
         restarted = self.book.reload(config)
+        if self._shadow is not None:
+            self.tasks.append(asyncio.get_running_loop().create_task(self._restart_shadow_workers()))
         log.info("config reloaded from %s; new rollouts: %s", self.config_path, restarted or "none")
         return restarted
 
@@ -189,9 +208,13 @@ def create_app(config: Config, config_path: str | None = None) -> FastAPI:
         return await proxy.chat(request)
 
     @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
+    async def list_models(request: Request) -> Response:
+        try:
+            allowed = proxy.allowed_names(request.headers)
+        except BadRequest as e:
+            return e.response()
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "modelcanary"}
-                for name in runtime.config.routes]
+                for name in runtime.config.routes if allowed is None or "*" in allowed or name in allowed]
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/feedback", openapi_extra={"requestBody": {"required": True, "content": {"application/json": {

@@ -128,6 +128,13 @@ class LabelCache:
         return child
 
 
+def count_queue_full(topic: str, record: object) -> None:
+    """A record the bus had no room for; a sampled request lost this way is also a shadow drop."""
+    events_dropped_total.labels(topic, "queue_full").inc()
+    if topic == "traffic":
+        shadow_dropped_total.labels(getattr(record, "route", "unknown"), "queue_full").inc()
+
+
 def set_rollout(route: str, phase: str, weight: float) -> None:
     for decision in ("step", "hold", "promote", "rollback"):
         rollout_decisions_total.labels(route, decision)  # start at 0, so increase() sees the first one

@@ -100,21 +100,27 @@ class Proxy:
         return body
 
     def resolve(self, model_name: object, headers) -> tuple[str, str | None]:
-        """(route or model key, route when it is a route). Raises 404 for unknown names."""
+        """(route or model key, route when it is a route). Raises 401/403/404 as OpenAI does."""
+        allowed = self.allowed_names(headers)
         if not isinstance(model_name, str) or not model_name:
             raise BadRequest(400, "field 'model' is required and must be a string naming a route", param="model")
         if model_name not in self.config.routes and model_name not in self.config.models:
+            visible = sorted(r for r in self.config.routes if allowed is None or "*" in allowed or r in allowed)
             raise BadRequest(404, f"The model '{model_name[:100]}' does not exist; known routes: "
-                             f"{', '.join(sorted(self.config.routes))}", param="model", code="model_not_found")
-        if self.client_keys is not None:
-            allowed = self.client_keys.get(_bearer(headers.get("authorization")) or "")
-            if allowed is None:
-                raise BadRequest(401, "missing or unknown client key in the Authorization header",
-                                 code="invalid_api_key")
-            if "*" not in allowed and model_name not in allowed:
-                raise BadRequest(403, f"this client key may not use model '{model_name}'", param="model",
-                                 code="model_not_allowed")
+                             f"{', '.join(visible)}", param="model", code="model_not_found")
+        if allowed is not None and "*" not in allowed and model_name not in allowed:
+            raise BadRequest(403, f"this client key may not use model '{model_name}'", param="model",
+                             code="model_not_allowed")
         return model_name, (model_name if model_name in self.config.routes else None)
+
+    def allowed_names(self, headers) -> set[str] | None:
+        """The routes this client may use (None: no client keys configured). 401 for an unknown key."""
+        if self.client_keys is None:
+            return None
+        allowed = self.client_keys.get(_bearer(headers.get("authorization")) or "")
+        if allowed is None:
+            raise BadRequest(401, "missing or unknown client key in the Authorization header", code="invalid_api_key")
+        return allowed
 
     def _client_auth(self, headers) -> str | None:
         """The client's Authorization, to pass through when the provider has no key of its own; never
@@ -127,10 +133,11 @@ class Proxy:
         request_id = os.urandom(12).hex()
         if self.draining:
             return openai_error(503, "the proxy is shutting down; retry on another replica", code="draining")
+        headers = _header_map(request.scope)
         try:
             raw = await self.read_body(request)
             body = self.parse_json(raw)
-            name, route = self.resolve(body.get("model"), request.headers)
+            name, route = self.resolve(body.get("model"), headers)
             if "messages" not in body or not isinstance(body["messages"], list):
                 raise BadRequest(400, "field 'messages' is required and must be an array", param="messages")
             stream = body.get("stream", False)
@@ -140,7 +147,6 @@ class Proxy:
             return e.response()
         except ClientDisconnect:
             return Response(status_code=499)
-        headers = request.headers
         session_key = headers.get("x-session-id") or (body.get("user") if isinstance(body.get("user"), str) else None)
         if route is not None:
             rc = self.config.routes[route]
@@ -394,6 +400,18 @@ def _events_end(data: bytes) -> int:
     """Offset just past the last complete SSE event in `data` (0 when there is none)."""
     lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _header_map(scope) -> dict[str, str]:
+    """The request's headers as a plain dict, built in one pass: several lookups in Starlette's
+    `Headers` each scan and decode the whole list. ASGI header names are lower-case; a repeated
+    header gives its first value, as `Headers.get` does."""
+    out: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        key = name.decode("latin-1")
+        if key not in out:
+            out[key] = value.decode("latin-1")
+    return out
 
 
 def _json_or_none(raw: bytes) -> dict | None:

@@ -188,7 +188,6 @@ class KafkaBus:
         self._probe_delay = self._probe_min
         self._next_probe = 0.0
         self._published = {t: metrics.events_published_total.labels(t) for t in TOPICS}
-        self._queue_full = {t: metrics.events_dropped_total.labels(t, "queue_full") for t in TOPICS}
 
     # ---- EventBus -----------------------------------------------------------------------------
 
@@ -206,7 +205,7 @@ class KafkaBus:
                 return
             self._queue.put_nowait((topic, record))
         except queue.Full:
-            self._queue_full[topic].inc()
+            metrics.count_queue_full(topic, record)
         except Exception:  # never raise into the hot path
             log.exception("publish failed")
 

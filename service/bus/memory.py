@@ -35,7 +35,7 @@ class MemorySubscription:
 
     def offer(self, topic: Topic, record: Record) -> bool:
         if len(self._items) >= self._maxsize:
-            metrics.events_dropped_total.labels(topic, "queue_full").inc()
+            metrics.count_queue_full(topic, record)
             return False
         self._items.append((topic, record))
         self._depth[topic] += 1

@@ -214,7 +214,7 @@ class RouteEvidence:
             if ag.stable_vs_stable is not None:
                 a.floor_n += 1
                 a.floor_x += int(ag.stable_vs_stable)
-            again = getattr(rec, "stable_again", None)
+            again = rec.stable_again
             if again is not None:
                 w.acc(("shadow", "replay"), s).add_request(again.outcome, again.cause, again.blame, None, None)
             if rec.stable_latency_s is not None or rec.stable_cost_usd is not None:

@@ -1,0 +1,76 @@
+"""A config reload (POST /admin/reload or SIGHUP) that names a new candidate starts a new rollout."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+
+import openai
+import yaml
+
+from tests.fixtures.servers import metric_value, proxy_config, scrape, sim_config
+
+TOKEN = "reload-test-token"
+
+
+def call(proxy, method: str, path: str) -> tuple[int, dict]:
+    req = urllib.request.Request(proxy.url + path, method=method, data=b"" if method == "POST" else None,
+                                 headers={"Authorization": f"Bearer {TOKEN}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def rewrite(proxy, **route_changes) -> None:
+    cfg = yaml.safe_load(proxy.config_path.read_text())
+    cfg["routes"]["support-bot"].update(route_changes)
+    proxy.config_path.write_text(yaml.safe_dump(cfg))
+
+
+def test_reload_starts_a_new_rollout_and_moves_the_shadow_workers(servers):
+    models = sim_config()["models"]
+    models["third-model"] = models["new-model"]
+    sim = servers.simulator(sim_config(models))
+    cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100000},
+                       rollout={"mode": "advisory"})
+    cfg["models"]["third-m"] = {"provider": "sim", "name": "third-model"}
+    proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+
+    status, state = call(proxy, "POST", "/admin/rollouts/support-bot/promote")
+    assert status == 200 and state["phase"] == "canary"
+    version = state["version"]
+
+    rewrite(proxy, candidate="third-m")
+    status, body = call(proxy, "POST", "/admin/reload")
+    assert status == 200 and body["new_rollouts"] == ["support-bot"]
+    status, state = call(proxy, "GET", "/admin/rollouts/support-bot")
+    assert state["phase"] == "shadow" and state["candidate"] == "third-m" and state["version"] > version
+
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+    for i in range(20):
+        client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": f"q {i}"}])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric_value(scrape(proxy.url), "modelcanary_shadow_requests_total",
+                                                         model="third-m") < 10:
+        time.sleep(0.2)
+    assert metric_value(scrape(proxy.url), "modelcanary_shadow_requests_total", model="third-m") >= 10
+
+    # a broken file is refused with the field path; the running config stays
+    rewrite(proxy, candidate="no-such-model")
+    status, body = call(proxy, "POST", "/admin/reload")
+    assert status == 400 and "routes.support-bot.candidate" in body["error"]["message"]
+    assert call(proxy, "GET", "/admin/rollouts/support-bot")[1]["candidate"] == "third-m"
+
+    # SIGHUP does the same as POST /admin/reload
+    rewrite(proxy, candidate="candidate-m")
+    proxy.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and call(proxy, "GET", "/admin/rollouts/support-bot")[1]["candidate"] != "candidate-m":
+        time.sleep(0.1)
+    state = call(proxy, "GET", "/admin/rollouts/support-bot")[1]
+    assert state["candidate"] == "candidate-m" and state["phase"] == "shadow"
+    assert proxy.proc.poll() is None
