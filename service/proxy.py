@@ -285,6 +285,8 @@ class Proxy:
             self._done(call)
 
     def _classify_stream(self, call: Call, raw: bytes, clipped: bool) -> Verdict:
+        if call.request is None:  # a passed-through endpoint: judged by transport and status only
+            return COMPLETED
         response, saw_done, problem = reassemble(raw)
         if problem is not None or response is None:
             return failed("bad_response", problem)
@@ -364,7 +366,8 @@ class Proxy:
         self.in_flight += 1
         self._in_flight_gauge(call.route).inc()
         qs = ("?" + request.url.query) if request.url.query else ""
-        attempt = await send_with_retries(provider, "/" + path + qs, raw, up_headers, False,
+        stream = body is not None and body.get("stream") is True
+        attempt = await send_with_retries(provider, "/" + path + qs, raw, up_headers, stream,
                                           self.budgets[call.route], method=request.method,
                                           on_retry=lambda cause, t0, t1: self._on_retry(call, cause, t0, t1))
         call.upstream_retries = attempt.retries
@@ -375,6 +378,9 @@ class Proxy:
                                                     code=attempt.failure.cause, headers=self._headers(call)))
         reply = attempt.reply
         call.status = reply.status
+        if stream and reply.status == 200:
+            return StreamingResponse(self._relay(call, reply), status_code=200, headers=self._headers(call) | SSE_HEADERS,
+                                     media_type=reply.headers.get("content-type", "text/event-stream"))
         call.verdict = classify_other(reply.status)
         return self._respond(call, Response(reply.body, status_code=reply.status, headers=self._headers(call),
                                             media_type=reply.headers.get("content-type", "application/json")))

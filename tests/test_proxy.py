@@ -404,9 +404,12 @@ def test_feedback_and_passthrough(stack):
     assert len(emb.data[0].embedding) > 0
     legacy = client.completions.create(model="support-bot", prompt="Say hi")
     assert legacy.choices[0].text
+    streamed = list(client.completions.create(model="support-bot", prompt="Say hi slowly", stream=True))
+    assert len(streamed) > 2 and "".join(c.choices[0].text for c in streamed if c.choices)
     text = scrape(proxy.url)
     assert metric_value(text, "modelcanary_requests_total", route="support-bot", segment="other",
-                        outcome="completed") == 2
+                        outcome="completed") == 3
+    assert metric_value(text, "modelcanary_time_to_first_token_seconds_count", route="support-bot") >= 1
 
 
 def test_client_retry_detection(stack):
