@@ -6,7 +6,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -299,16 +299,21 @@ def _describe(err: ValidationError) -> list[str]:
     return lines
 
 
-def parse_config(data: object, source: str = "config") -> Config:
+M = TypeVar("M", bound=BaseModel)
+
+
+def validated(model: type[M], data: object, source: str) -> M:
+    """`data` as a `model`, or ConfigError with 'field.path: reason' lines."""
     if not isinstance(data, dict):
         raise ConfigError(source, [f"(top level): must be a mapping of keys, got {type(data).__name__}"])
     try:
-        return Config.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(source, _describe(e)) from None
 
 
-def load_config(path: str | os.PathLike) -> Config:
+def read_yaml(path: str | os.PathLike) -> object:
+    """The YAML document in a file, or ConfigError naming the line and column of a syntax error."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -317,10 +322,17 @@ def load_config(path: str | os.PathLike) -> Config:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(str(p), [f"cannot read file: {e}"]) from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(str(p), [f"(yaml) {where}{problem}"]) from None
-    return parse_config(data, str(p))
+
+
+def parse_config(data: object, source: str = "config") -> Config:
+    return validated(Config, data, source)
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    return validated(Config, read_yaml(path), str(path))

@@ -10,13 +10,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.config import ConfigError, _describe
+from service.config import read_yaml, validated
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -211,28 +209,9 @@ def resolve(model: SimModel, segment: str | None, phases_passed: int) -> Effecti
 
 
 def parse_simulator_config(data: object, source: str = "simulator config") -> SimulatorConfig:
-    if not isinstance(data, dict):
-        raise ConfigError(source, [f"(top level): must be a mapping of keys, got {type(data).__name__}"])
-    try:
-        return SimulatorConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(source, _describe(e)) from None
+    return validated(SimulatorConfig, data, source)
 
 
 def load_simulator_config(path: str | os.PathLike) -> SimulatorConfig:
     """Read and validate a simulator YAML file; raise ConfigError with 'field.path: reason' lines."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(str(p), ["file not found"]) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(str(p), [f"cannot read file: {e}"]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(str(p), [f"(yaml) {where}{problem}"]) from None
-    return parse_simulator_config(data, str(p))
+    return validated(SimulatorConfig, read_yaml(path), str(path))
