@@ -22,12 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,11 +39,10 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import yaml  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from dashboards.queries import annotation_queries, default_variables, panel_queries, substitute  # noqa: E402
-from service.demo import EXAMPLES, ROUTE, _free_port, _traffic, _wait_ready  # noqa: E402
+from service.demo import ROUTE, DemoStack, _traffic  # noqa: E402
 from tests.fixtures.prometheus import PromServer, start_prometheus  # noqa: E402
 
 DASHBOARD = ROOT / "dashboards" / "json" / "modelcanary-rollout.json"
@@ -64,53 +59,6 @@ DECISION_COLORS = {"step": "#2171b5", "promote": "#238b45", "rollback": "#cb181d
 
 
 # --- services ---------------------------------------------------------------------------------
-
-
-class Services:
-    """Simulator + proxy (embedded shadow workers and controller) as subprocesses, like `modelcanary demo`."""
-
-    def __init__(self, workdir: Path, good_candidate: bool):
-        self.workdir = workdir
-        self.sim_port, self.proxy_port = _free_port(), _free_port()
-        sim_cfg = workdir / "simulator.yaml"
-        sim_cfg.write_text((EXAMPLES / "simulator.yaml").read_text())
-        cfg = yaml.safe_load((EXAMPLES / "modelcanary.yaml").read_text())
-        cfg["server"]["port"] = self.proxy_port
-        cfg["providers"]["sim"]["base_url"] = f"http://127.0.0.1:{self.sim_port}/v1"
-        cfg["state_dir"] = str(workdir / "state")
-        cfg["events"]["spool"] = {"dir": str(workdir / "spool")}
-        if good_candidate:
-            cfg["routes"][ROUTE]["candidate"] = "better-m"
-        proxy_cfg = workdir / "modelcanary.yaml"
-        proxy_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        env = {**os.environ, "MODELCANARY_ADMIN_TOKEN": secrets.token_hex(16)}
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        cli = [sys.executable, "-m", "service.cli"]
-        self.log_path = workdir / "services.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.procs = [
-            subprocess.Popen(cli + ["simulate", "--config", str(sim_cfg), "--port", str(self.sim_port)],
-                             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True),
-            subprocess.Popen(cli + ["serve", "--config", str(proxy_cfg), "--port", str(self.proxy_port)],
-                             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True),
-        ]
-        self.url = f"http://127.0.0.1:{self.proxy_port}"
-
-    def wait_ready(self) -> None:
-        if not _wait_ready(self.url + "/readyz", self.procs, 30):
-            raise RuntimeError(f"services did not start:\n{self.log_path.read_text(errors='replace')[-3000:]}")
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        self._log.close()
 
 
 async def drive(url: str, duration_s: float, rate: float) -> int:
@@ -358,11 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     workdir = Path(tempfile.mkdtemp(prefix="modelcanary-render-"))
-    services = Services(workdir, args.good_candidate)
+    services = DemoStack(workdir, args.good_candidate)
     prom = None
     ok = False
     try:
-        services.wait_ready()
+        if not services.ready():
+            raise RuntimeError(f"services did not start:\n{services.log_path.read_text(errors='replace')[-3000:]}")
         prom = start_prometheus(workdir / "prometheus", [f"127.0.0.1:{services.proxy_port}"], [RULES], "1s")
         prom.wait_targets_up(timeout=30)
         print(f"proxy {services.url}, prometheus {prom.url}, workdir {workdir}", flush=True)

@@ -24,7 +24,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "demo"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "demo"
 ROUTE = "support-bot"
 MAX_UNATTENDED_S = 180.0
 TOOLS = [
@@ -273,51 +274,68 @@ def _summary(stats: dict, roll: Roll, elapsed: float, good: bool) -> str:
     return "\n".join(lines)
 
 
-def run_demo(duration: float | None = None, good_candidate: bool = False) -> int:
-    console = Console()
-    workdir = Path(tempfile.mkdtemp(prefix="modelcanary-demo-"))
-    sim_port, proxy_port = _free_port(), _free_port()
-    sim_cfg = workdir / "simulator.yaml"
-    sim_cfg.write_text((EXAMPLES / "simulator.yaml").read_text())
-    cfg = yaml.safe_load((EXAMPLES / "modelcanary.yaml").read_text())
-    cfg["server"]["port"] = proxy_port
-    cfg["providers"]["sim"]["base_url"] = f"http://127.0.0.1:{sim_port}/v1"
-    cfg["state_dir"] = str(workdir / "state")
-    cfg["events"]["spool"] = {"dir": str(workdir / "spool")}
-    if good_candidate:
-        cfg["routes"][ROUTE]["candidate"] = "better-m"
-    proxy_cfg = workdir / "modelcanary.yaml"
-    proxy_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    token = secrets.token_hex(16)
-    env = {**os.environ, "MODELCANARY_ADMIN_TOKEN": token}
-    cli = [sys.executable, "-m", "service.cli"]
-    logs = open(workdir / "services.log", "wb")
-    procs = [
-        subprocess.Popen(cli + ["simulate", "--config", str(sim_cfg), "--port", str(sim_port)], stdout=logs,
-                         stderr=subprocess.STDOUT, start_new_session=True),
-        subprocess.Popen(cli + ["serve", "--config", str(proxy_cfg), "--port", str(proxy_port)], stdout=logs,
-                         stderr=subprocess.STDOUT, env=env, start_new_session=True),
-    ]
-    url = f"http://127.0.0.1:{proxy_port}"
-    try:
-        if not _wait_ready(url + "/readyz", procs, 30):
-            console.print(f"[red]services did not start; see {workdir / 'services.log'}[/red]")
-            return 1
-        console.print(f"[bold]modelcanary demo[/bold]: proxy {url}/v1 → simulator :{sim_port}; "
-                      f"candidate {'better-model' if good_candidate else 'new-model'}; logs in {workdir}")
-        stats, roll, elapsed = asyncio.run(_run(url, token, duration, console))
-        print(_summary(stats, roll, elapsed, good_candidate), flush=True)
-        return 0
-    finally:
-        for p in procs:
+class DemoStack:
+    """Simulator + proxy (embedded shadow workers and controller) as subprocesses on free ports,
+    from the configs in examples/demo/."""
+
+    def __init__(self, workdir: Path, good_candidate: bool):
+        self.workdir = workdir
+        self.sim_port, self.proxy_port = _free_port(), _free_port()
+        sim_cfg = workdir / "simulator.yaml"
+        sim_cfg.write_text((EXAMPLES / "simulator.yaml").read_text())
+        cfg = yaml.safe_load((EXAMPLES / "modelcanary.yaml").read_text())
+        cfg["server"]["port"] = self.proxy_port
+        cfg["providers"]["sim"]["base_url"] = f"http://127.0.0.1:{self.sim_port}/v1"
+        cfg["state_dir"] = str(workdir / "state")
+        cfg["events"]["spool"] = {"dir": str(workdir / "spool")}
+        if good_candidate:
+            cfg["routes"][ROUTE]["candidate"] = "better-m"
+        proxy_cfg = workdir / "modelcanary.yaml"
+        proxy_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.token = secrets.token_hex(16)
+        env = {**os.environ, "MODELCANARY_ADMIN_TOKEN": self.token}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        cli = [sys.executable, "-m", "service.cli"]
+        self.log_path = workdir / "services.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.procs = [
+            subprocess.Popen(cli + ["simulate", "--config", str(sim_cfg), "--port", str(self.sim_port)],
+                             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True),
+            subprocess.Popen(cli + ["serve", "--config", str(proxy_cfg), "--port", str(self.proxy_port)],
+                             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True),
+        ]
+        self.url = f"http://127.0.0.1:{self.proxy_port}"
+
+    def ready(self, timeout_s: float = 30) -> bool:
+        return _wait_ready(self.url + "/readyz", self.procs, timeout_s)
+
+    def stop(self) -> None:
+        for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in procs:
+        for p in self.procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        logs.close()
+                p.wait(5)
+        self._log.close()
+
+
+def run_demo(duration: float | None = None, good_candidate: bool = False) -> int:
+    console = Console()
+    stack = DemoStack(Path(tempfile.mkdtemp(prefix="modelcanary-demo-")), good_candidate)
+    try:
+        if not stack.ready():
+            console.print(f"[red]services did not start; see {stack.log_path}[/red]")
+            return 1
+        console.print(f"[bold]modelcanary demo[/bold]: proxy {stack.url}/v1 → simulator :{stack.sim_port}; "
+                      f"candidate {'better-model' if good_candidate else 'new-model'}; logs in {stack.workdir}")
+        stats, roll, elapsed = asyncio.run(_run(stack.url, stack.token, duration, console))
+        print(_summary(stats, roll, elapsed, good_candidate), flush=True)
+        return 0
+    finally:
+        stack.stop()
 
 
 def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
