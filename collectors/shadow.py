@@ -12,7 +12,8 @@ For each TrafficEvent from the `traffic` topic (consumer group `modelcanary-shad
    call (linked to the live call's span) record the same.
 
 Delivery is at least once: offsets are committed only after every record taken from the
-subscription has been published (and, when the bus can say so, confirmed). Records are
+subscription has been published and the bus confirmed it (`bus.flush`: acknowledged by the
+broker or written to the local spool), so a kill -9 right after a commit loses no evaluation. Records are
 idempotent by request_id: a request already evaluated by this worker is skipped (bounded
 memory). Tool calls in answers are recorded and scored, never executed. Credentials: the
 provider's own key (`api_key_env`) only; TrafficEvents carry none from the client.
@@ -31,7 +32,7 @@ import signal
 import sys
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from collectors.evaluators import default_evaluators
 from collectors.evaluators.agreement import compare
@@ -301,8 +302,7 @@ class ShadowWorker:
                      self.evaluated, self.skipped, self.errors)
 
     async def _commit(self, sub: Subscription) -> None:
-        flush: Callable[[float], Awaitable[bool]] | None = getattr(self.bus, "flush", None)
-        if flush is not None and not await flush(FLUSH_TIMEOUT_S):
+        if not await self.bus.flush(FLUSH_TIMEOUT_S):
             log.warning("evaluation records not confirmed by the bus in %.0f s; not committing "
                         "(the traffic will be evaluated again)", FLUSH_TIMEOUT_S)
             return

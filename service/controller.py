@@ -4,6 +4,13 @@ In memory mode `modelcanary serve` runs `Controller(config, bus, book).run(stop)
 as a task next to the proxy; in Kafka mode `modelcanary control` runs `main()`,
 which first follows the rollouts topic (so a restarted controller resumes the
 phase and step), then judges and publishes every change back to that topic.
+
+A restarted controller also resumes its evidence: the rollouts topic gives each
+route's current rollout and the states that opened its windows (`RolloutHistory`),
+and the outcomes and evaluations the controller's group had already consumed since
+that rollout began are read back (`KafkaBus.replay`) before it judges again. The
+group then goes on from its committed offsets; a record seen twice counts once
+(RouteEvidence deduplicates by request_id).
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ import aiohttp
 from service.bus.base import EventBus
 from service.config import Config, ConfigError, load_config
 from service.judge.decide import Judgement, judge
-from service.judge.evidence import RouteEvidence
+from service.judge.evidence import RouteEvidence, window_key
 from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutState, dump
-from service.rollout import TERMINAL, RolloutBook
+from service.rollout import TERMINAL, RolloutBook, precedence
 
 log = logging.getLogger("modelcanary.controller")
 
@@ -34,6 +41,7 @@ MIN_INTERVAL_S = 0.05       # the judge never runs more often than this
 MAX_INTERVAL_S = 5.0        # ... and never less often than this
 MIN_GAP_ON_BATCH_S = 0.2    # a busy bus re-runs the judge at most this often
 WEBHOOK_TIMEOUT_S = 5.0
+REPLAY_SKEW_S = 60.0        # read back from this long before a rollout began (clocks of other hosts)
 
 
 class Controller:
@@ -99,6 +107,27 @@ class Controller:
             await self._drain_webhooks()
 
     # ---- evidence -------------------------------------------------------------------------------------
+    def resume(self, history: RolloutHistory) -> float | None:
+        """Open the windows of each route's current rollout as they were (from the rollouts topic), so
+        the records read back land where they did before a restart. Returns when the earliest of those
+        rollouts began (None: nothing to rebuild)."""
+        began: list[float] = []
+        for route, state in self.book.states.items():
+            rc = self.config.routes.get(route)
+            if rc is None or state.candidate is None or state.phase in TERMINAL:
+                continue
+            states = [s for s in history.windows(route) if (s.stable, s.candidate) == (state.stable, state.candidate)]
+            if not states:
+                continue
+            ev = self.evidence[route] = RouteEvidence(route, rc, state.stable, state.candidate)
+            for s in states:
+                ev.sync(s)
+            ev.sync(state)
+            began.append(ev.windows[0].start)
+            log.info("route %s: rollout began at %.3f; %d evidence windows", route, ev.windows[0].start,
+                     len(ev.windows))
+        return min(began, default=None)
+
     def _evidence_for(self, route: str) -> RouteEvidence | None:
         state = self.book.states.get(route)
         rc = self.config.routes.get(route)
@@ -259,17 +288,46 @@ CATCH_UP_FIRST_WAIT_S = 5.0    # how long an empty rollouts topic is waited for
 CATCH_UP_MAX_S = 60.0
 
 
+class RolloutHistory:
+    """Per route, the states that opened evidence windows in its latest rollout (latest stable/candidate
+    pair), in the order a follower adopting the rollouts topic from the start took them up. Reports are
+    not kept (one state per window, so this stays small however long the topic is)."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, RolloutState] = {}
+        self._windows: dict[str, list[RolloutState]] = {}
+
+    def add(self, state: RolloutState) -> None:
+        current = self._latest.get(state.route)
+        if current is not None and precedence(state) <= precedence(current):
+            return  # a stale state from another replica: nobody adopted it
+        self._latest[state.route] = state
+        opened = self._windows.setdefault(state.route, [])
+        if opened and (opened[-1].stable, opened[-1].candidate) != (state.stable, state.candidate):
+            opened.clear()  # a new rollout
+        if not opened or window_key(opened[-1]) != window_key(state):
+            opened.append(state.model_copy(update={"report": None}))
+
+    def windows(self, route: str) -> list[RolloutState]:
+        return list(self._windows.get(route, ()))
+
+
 async def follow_rollouts(sub, book: RolloutBook, stop: asyncio.Event | None = None, *,
-                          catch_up: bool = False) -> int:
+                          catch_up: bool = False, history: RolloutHistory | None = None) -> int:
     """Adopt rollout states from the topic. With catch_up=True return once caught up (an empty poll
-    after data, or nothing within CATCH_UP_FIRST_WAIT_S); otherwise follow until `stop`."""
+    after data, or nothing within CATCH_UP_FIRST_WAIT_S); otherwise follow until `stop`. `history`,
+    when given, sees every state read."""
     adopted = 0
     seen = False
     started = time.monotonic()
     while stop is None or not stop.is_set():
         batch = await sub.get_batch(500, 1.0 if catch_up else 0.5)
         for rec in batch:
-            if isinstance(rec, RolloutState) and book.adopt(rec):
+            if not isinstance(rec, RolloutState):
+                continue
+            if history is not None:
+                history.add(rec)
+            if book.adopt(rec):
                 adopted += 1
         if catch_up:
             seen = seen or bool(batch)
@@ -304,6 +362,23 @@ async def _serve_health(config: Config, controller_ref: dict):
     return runner
 
 
+async def _resume_evidence(controller: Controller, bus: EventBus, history: RolloutHistory,
+                           stop: asyncio.Event) -> int:
+    """Rebuild the judge's evidence of the current rollouts from what this controller's group consumed."""
+    from service.bus.kafka import KafkaBus
+
+    began = controller.resume(history)
+    if began is None or not isinstance(bus, KafkaBus):
+        return 0
+    t0 = time.monotonic()
+    n = await bus.replay(["outcomes", "evaluations"], GROUP, began - REPLAY_SKEW_S, controller.ingest, stop)
+    for route, ev in controller.evidence.items():
+        log.info("route %s: evidence rebuilt from %d records read back in %.1f s (%d in the current window, "
+                 "%d duplicates)", route, n, time.monotonic() - t0, ev.step_samples(
+                     controller.book.states[route].phase), ev.duplicates)
+    return n
+
+
 async def _control(config: Config) -> int:
     from service.bus import make_bus
 
@@ -322,11 +397,13 @@ async def _control(config: Config) -> int:
     follow = bus.subscribe(["rollouts"], group=None)
     follower: asyncio.Task | None = None
     try:
-        n = await follow_rollouts(follow, book, stop, catch_up=True)
+        history = RolloutHistory()
+        n = await follow_rollouts(follow, book, stop, catch_up=True, history=history)
         for route, state in book.states.items():
             log.info("resuming route %s: phase %s, step %d (%d states adopted)", route, state.phase,
                      state.step_index, n)
         controller = Controller(config, bus, book)
+        await _resume_evidence(controller, bus, history, stop)
         ref["controller"] = controller
         follower = asyncio.create_task(follow_rollouts(follow, book, stop))
         await controller.run(stop)

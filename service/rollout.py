@@ -121,7 +121,7 @@ class RolloutBook:
     def adopt(self, incoming: RolloutState) -> bool:
         """Follow a state published elsewhere (Kafka mode): newer version of a known route wins."""
         current = self.states.get(incoming.route)
-        if current is None or _precedence(incoming) <= _precedence(current):
+        if current is None or precedence(incoming) <= precedence(current):
             return False
         if incoming.stable != current.stable or incoming.candidate != current.candidate:
             rc = self._config.routes.get(incoming.route)
@@ -224,7 +224,7 @@ class RolloutBook:
         os.replace(tmp, self._persist_path)
 
 
-def _precedence(state: RolloutState) -> tuple[int, int, float]:
+def precedence(state: RolloutState) -> tuple[int, int, float]:
     """Newer version wins; on a tie (an operator and the controller committing at once) the
     operator's action, then the later one, so every replica settles on the same state."""
     by_operator = int(state.last_decision is not None and state.last_decision.by == "operator")

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections import Counter
@@ -15,7 +16,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from service.bus.kafka import KafkaBus, check_compression, client_security, read_messages, read_topic
+from service.bus.kafka import (
+    KafkaBus,
+    KafkaSubscription,
+    check_compression,
+    client_security,
+    read_messages,
+    read_topic,
+)
 from service.bus.spool import Spool
 from service.config import KafkaConfig, SpoolConfig
 from service.records import (
@@ -257,6 +265,139 @@ async def test_follower_reads_rollouts_from_the_beginning(kafka_broker, tmp_path
         await bus.close()
 
 
+async def test_flush_waits_until_the_broker_confirms_or_the_spool_holds_them(fresh_kafka_broker, tmp_path):
+    broker = fresh_kafka_broker
+    p, tag = prefix(), "flush"
+    bus = make_bus(broker.bootstrap, tmp_path / "spool", p)
+    assert await bus.flush(1)  # nothing published: nothing to wait for
+    for i in range(5):
+        bus.publish("outcomes", outcome(tag, i))
+    assert not await bus.flush(0.5)  # not started: nothing is confirmed
+    await bus.start()
+    try:
+        assert await bus.flush(10)
+        base = published()
+        for i in range(5, 305):
+            bus.publish("outcomes", outcome(tag, i))
+        t0 = time.monotonic()
+        assert await bus.flush(10)
+        assert published() - base == 300  # every one acknowledged by the broker when flush returned
+        print(f"flush of 300 records took {time.monotonic() - t0:.3f} s")
+
+        broker.stop()
+        for i in range(305, 345):
+            bus.publish("outcomes", outcome(tag, i))
+        t0 = time.monotonic()
+        assert await bus.flush(15)  # the sends fail after the delivery timeout; then they are spooled
+        waited = time.monotonic() - t0
+        assert bus.spooled >= 40 and published() - base == 300
+        assert waited >= 1.0, waited  # it did wait for their fate, not return at once
+        for i in range(345, 350):  # while the spool is not empty, new records go behind it
+            bus.publish("outcomes", outcome(tag, i))
+        assert await bus.flush(5)
+        assert bus.spooled >= 45
+
+        broker.start()
+        await wait_for(lambda: bus.spooled == 0, 30, "spool replayed")
+        got = {m["request_id"] for m in read_topic(broker.bootstrap, f"{p}.outcomes", 10)}
+        assert got == {f"{tag}-{i}" for i in range(305, 350)}  # the broker came back empty
+    finally:
+        await bus.close()
+
+
+async def test_memory_bus_flush_is_immediate():
+    from service.bus.memory import MemoryBus
+
+    bus = MemoryBus()
+    bus.publish("outcomes", outcome("mem", 0))
+    assert await bus.flush(0) is True
+
+
+async def test_slow_work_past_max_poll_interval_keeps_the_membership(kafka_broker, tmp_path, monkeypatch):
+    """The consumer thread polls however long the caller holds its records (a shadow worker waits for
+    upstream calls that retry), so holding them past max_poll_interval_ms neither drops the member
+    from the group nor makes the records come again; the late commit lands."""
+    interval_s = 3.0
+    monkeypatch.setattr(KafkaSubscription, "max_poll_interval_ms", int(interval_s * 1000))
+    p, tag = prefix(), "slow"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    sub = bus.subscribe(["outcomes"], group="slow-group")
+    try:
+        for i in range(30):
+            bus.publish("outcomes", outcome(tag, i))
+        first = await collect(sub, 30, 30)
+        assert len(first) == 30
+        held = await sub.assignment()
+        assert len(held) == PARTITIONS
+        await asyncio.sleep(3 * interval_s)  # "slow work": no get_batch, no commit
+        assert await sub.assignment() == held
+        await sub.commit()
+        for i in range(30, 35):
+            bus.publish("outcomes", outcome(tag, i))
+        later = await collect(sub, 5, 20)
+        later += await sub.get_batch(100, 1.0)
+        assert sorted(ids(later)) == sorted(f"{tag}-{i}" for i in range(30, 35))  # nothing came again
+        await sub.commit()
+    finally:
+        await sub.close()
+    again = bus.subscribe(["outcomes"], group="slow-group")  # a new member starts from the commits
+    try:
+        bus.publish("outcomes", outcome(tag, 99))
+        got = await collect(again, 1, 30)
+        got += await again.get_batch(100, 1.0)
+        assert ids(got) == [f"{tag}-99"]
+    finally:
+        await again.close()
+        await bus.close()
+
+
+async def test_read_topic_returns_promptly_while_the_topic_is_written(kafka_broker, tmp_path):
+    p, tag = prefix(), "busy"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    stop = asyncio.Event()
+    written = 0
+
+    async def writer():
+        nonlocal written
+        while not stop.is_set():
+            for _ in range(50):
+                bus.publish("outcomes", outcome(tag, written))
+                written += 1
+            await asyncio.sleep(0.01)
+
+    try:
+        for i in range(2000):
+            bus.publish("outcomes", outcome(tag, -i - 1))
+        assert await bus.flush(10)
+        task = asyncio.create_task(writer())
+        await asyncio.sleep(1.0)
+        for _ in range(3):
+            assert await bus.flush(10)
+            confirmed = written  # all of these were on the broker when the read started
+            t0 = time.monotonic()
+            got = {m["request_id"] for m in await asyncio.to_thread(read_topic, kafka_broker.bootstrap,
+                                                                    f"{p}.outcomes", 10)}
+            took = time.monotonic() - t0
+            print(f"read {len(got)} records in {took:.2f} s while the topic was written")
+            assert took < 3.0, took
+            assert got >= {f"{tag}-{-i - 1}" for i in range(2000)} | {f"{tag}-{i}" for i in range(confirmed)}
+        stop.set()
+        await task
+        assert await bus.flush(10)
+        t0 = time.monotonic()  # an idle topic: everything, at once
+        got = [m["request_id"] for m in read_topic(kafka_broker.bootstrap, f"{p}.outcomes", 10)]
+        assert sorted(got) == sorted([f"{tag}-{-i - 1}" for i in range(2000)] + [f"{tag}-{i}" for i in range(written)])
+        t1 = time.monotonic()
+        assert read_topic(kafka_broker.bootstrap, f"{p}.traffic", 10) == []  # an empty topic
+        print(f"idle read {t1 - t0:.2f} s, empty read {time.monotonic() - t1:.2f} s")
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        stop.set()
+        await bus.close()
+
+
 async def test_undecodable_records_are_skipped_and_counted(kafka_broker, tmp_path):
     from kafka import KafkaProducer
 
@@ -394,6 +535,67 @@ async def test_group_consumer_and_follower_survive_a_replaced_broker(fresh_kafka
         await bus.close()
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts file descriptors in /proc")
+async def test_broker_outages_leak_no_file_descriptors(tmp_path):
+    """A broker that accepts connections and closes them (the soak's "broker down"): every reconnect
+    attempt builds Kafka clients whose constructors fail; each must close what it opened (epoll fd,
+    wake-up socket pair, sockets, I/O thread). After the outages the process is back where it was."""
+    from tests.faults.fault_proxy import FaultProxy, ProxiedBroker
+
+    port = free_port()
+    fault = FaultProxy("127.0.0.1", port).start()
+    broker = ProxiedBroker(fault.port, port=port, log_path=tmp_path / "tansu.log")
+    p, tag = prefix(), "fds"
+    bus = make_bus(fault.address, tmp_path / "spool", p)
+    group = follower = None
+    received: list = []
+    stop = asyncio.Event()
+
+    async def drive():  # what the controller does: publish, consume in a group, follow rollouts
+        i = 0
+        while not stop.is_set():
+            bus.publish("outcomes", outcome(tag, i))
+            i += 1
+            received.extend(await group.get_batch(100, 0.02))
+            await group.commit()
+            await follower.get_batch(100, 0.01)
+
+    try:
+        broker.start()
+        await bus.start()
+        group = bus.subscribe(["outcomes"], group="fds-group")
+        follower = bus.subscribe(["rollouts"], group=None)
+        driver = asyncio.create_task(drive())
+        await wait_for(lambda: received, 30, "the group consuming")
+        await asyncio.sleep(2.0)
+        threads_before, fds_before = threading.active_count(), open_fds()
+        for _ in range(3):
+            fault.set_mode("drop")  # accepts and closes: the clients' constructors fail at bootstrap
+            await asyncio.sleep(6.0)
+            fault.set_mode("pass")
+            await wait_for(lambda: bus.connected and bus.spooled == 0, 40, "the producer back, spool replayed")
+            await wait_for(lambda n=len(received): len(received) > n + 20, 40, "the group consuming again")
+        await asyncio.sleep(2.0)
+        threads_after, fds_after = threading.active_count(), open_fds()
+        print(f"fds {fds_before} -> {fds_after}, threads {threads_before} -> {threads_after}")
+        assert fds_after - fds_before <= 4, (fds_before, fds_after)
+        assert threads_after - threads_before <= 1, (threads_before, threads_after)
+        stop.set()
+        await driver
+    finally:
+        stop.set()
+        for sub in (group, follower):
+            if sub is not None:
+                await sub.close()
+        await bus.close()
+        broker.stop()
+        fault.stop()
+
+
 async def test_spool_limit_drops_are_counted_exactly(tmp_path):
     port = free_port()
     broker = TansuBroker(port, log_path=tmp_path / "tansu.log")
@@ -407,6 +609,8 @@ async def test_spool_limit_drops_are_counted_exactly(tmp_path):
         for i in range(sent):
             bus.publish("outcomes", outcome(tag, i))
         await wait_for(lambda: bus.spooled + dropped("spool_full") - base_drop == sent, 10, "records handled")
+        assert not await bus.flush(5)  # some were dropped: not all confirmed or spooled
+        assert await bus.flush(5)  # nothing dropped since the previous flush
         kept = bus.spooled
         assert 0 < kept < sent
         assert spooled_gauge() == kept
@@ -439,9 +643,8 @@ async def test_spool_survives_a_process_restart(tmp_path, ending):
                 bus.publish("outcomes", outcome({tag!r}, i))
             bus.publish("rollouts", rollout("r", 1))
             if {ending!r} == "crash":
-                while bus.spooled < 31:
-                    await asyncio.sleep(0.01)
-                await asyncio.sleep(0.3)  # the sender thread hands each batch of lines to the OS
+                assert await bus.flush(10)  # every record is in the spool, handed to the OS
+                assert bus.spooled == 31
                 os.kill(os.getpid(), signal.SIGKILL)
             await bus.close()
 

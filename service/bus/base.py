@@ -36,5 +36,10 @@ class EventBus(Protocol):
         oldest uncommitted); `group=None` follows every record from the start of the topic
         (used for rollouts, where every replica needs every state)."""
 
+    async def flush(self, timeout_s: float) -> bool:
+        """True once every record published before the call is confirmed by the backend (Kafka: the
+        broker acknowledged it, or it is in the local spool); False if that takes over `timeout_s` or
+        one of them was dropped. Call before committing work whose results were published."""
+
     async def close(self) -> None:
         """Flush what can be flushed within a short time, then stop."""

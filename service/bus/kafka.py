@@ -10,6 +10,12 @@ them. The thread probes the broker; once it answers, it ensures the topics,
 builds a new producer, refreshes metadata and replays the spool in order before
 sending anything new directly.
 
+`flush(timeout_s)` waits until every record published before it is settled: confirmed by the
+broker or written to the spool (handed to the OS, so it survives a kill -9 of this process).
+Each published record gets a ticket (publish order); the sender thread marks tickets settled
+as the spool is flushed, and a ticket sent to the broker stays pending until its send future
+says delivered, or its failure puts it in the spool.
+
 Consuming: each subscription owns a KafkaConsumer polled without pause by its
 own thread into a small buffer that `get_batch` reads, so the loop never blocks
 on the network and group heartbeats and joins never wait for the caller.
@@ -122,6 +128,34 @@ def ensure_topics(admin: KafkaAdminClient, names: dict[Topic, str], partitions: 
     return created
 
 
+def build_client(cls: type, **config: Any) -> Any:
+    """A kafka-python KafkaAdminClient, KafkaProducer or KafkaConsumer that leaks nothing when it fails.
+
+    Their constructors make a network client (an epoll fd, a wake-up socket pair, an I/O thread) and
+    then connect; when the connection fails (a broker that is down or answers nothing) they raise
+    without closing it, and nothing can close it later. Every failed reconnect during an outage
+    would leak those. Here the network client is captured as it is made and closed on failure."""
+    base = getattr(cls, "DEFAULT_CONFIG", {}).get("kafka_client")
+    if base is None or "kafka_client" in config:
+        return cls(**config)
+    made: list = []
+
+    def network_client(**kw: Any) -> Any:
+        client = base(**kw)
+        made.append(client)
+        return client
+
+    try:
+        return cls(kafka_client=network_client, **config)
+    except BaseException:
+        for client in made:
+            try:
+                client.close()
+            except Exception as e:
+                log.debug("closing a half-built kafka client: %s", _describe(e))
+        raise
+
+
 def broker_reachable(bootstrap_servers: str, timeout_s: float = 0.5) -> bool:
     """A cheap TCP check before a full Kafka handshake (which retries and logs for seconds)."""
     for server in bootstrap_servers.split(","):
@@ -141,6 +175,7 @@ class _Pending:
     topic: Topic
     key: str
     value: bytes
+    ticket: int = 0  # publish order (flush); 0 for records replayed from the spool
 
 
 class KafkaBus:
@@ -165,7 +200,7 @@ class KafkaBus:
         self._security = client_security(kafka.security)
         check_compression(kafka.compression_type)
         self._spool = Spool(spool.dir, spool.max_bytes)
-        self._queue: queue.Queue[tuple[Topic, Record]] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[tuple[Topic, Record, int]] = queue.Queue(maxsize=queue_size)
         self._delivery_timeout_s = delivery_timeout_s
         self._request_timeout_s = request_timeout_s
         self._probe_min, self._probe_max = probe_interval_s
@@ -180,6 +215,15 @@ class KafkaBus:
         self._lock = threading.Lock()
         self._inflight: dict[int, _Pending] = {}
         self._failed: list[tuple[int, _Pending, BaseException]] = []
+        self._spooling: list[_Pending] = []  # taken out of flight by _trip, not yet in the spool
+        # flush(): tickets in publish order; every ticket <= _settled has left the queue and, unless
+        # still in flight, is confirmed or in the spool (flushed to the OS)
+        self._publish_lock = threading.Lock()
+        self._issued = 0
+        self._handled = 0
+        self._settled = 0
+        self._lost = 0        # records dropped for a reason a later try could fix (queue, spool, closed)
+        self._lost_seen = 0   # _lost when the previous flush returned
         self._tripped = threading.Event()
         self._stopping = threading.Event()
         self._ready = threading.Event()
@@ -202,12 +246,46 @@ class KafkaBus:
         try:
             if self._closed:
                 metrics.events_dropped_total.labels(topic, "closed").inc()
+                self._count_lost()
                 return
-            self._queue.put_nowait((topic, record))
+            with self._publish_lock:
+                ticket = self._issued + 1
+                self._queue.put_nowait((topic, record, ticket))
+                self._issued = ticket
         except queue.Full:
             metrics.count_queue_full(topic, record)
+            self._count_lost()
         except Exception:  # never raise into the hot path
             log.exception("publish failed")
+
+    async def flush(self, timeout_s: float) -> bool:
+        """True once every record published before this call is confirmed by the broker or written to
+        the spool; False when that takes longer than `timeout_s`, or when a record published since the
+        previous flush was dropped (a full queue or spool: counted in events_dropped_total). Records
+        that can never be sent (too large, unserialisable) are dropped, counted, and not waited for."""
+        target = self._issued
+        deadline = time.monotonic() + timeout_s
+        settled = self._flushed(target)
+        while not settled and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            settled = self._flushed(target)
+        lost, self._lost_seen = self._lost != self._lost_seen, self._lost
+        return settled and not lost
+
+    def _flushed(self, ticket: int) -> bool:
+        if self._settled < ticket:
+            return False
+        with self._lock:
+            # tickets are sent in order, so the oldest in flight is the first of the dict
+            oldest = next(iter(self._inflight.values()), None)
+            if oldest is not None and 0 < oldest.ticket <= ticket:
+                return False
+            return not any(0 < item.ticket <= ticket for _, item, _ in self._failed) and not any(
+                0 < item.ticket <= ticket for item in self._spooling)
+
+    def _count_lost(self) -> None:
+        with self._publish_lock:
+            self._lost += 1
 
     def subscribe(self, topics: list[Topic], group: str | None) -> KafkaSubscription:
         return KafkaSubscription(self, list(topics), group)
@@ -220,6 +298,120 @@ class KafkaBus:
             await asyncio.to_thread(self._thread.join, self._close_timeout_s + 10.0)
             if self._thread.is_alive():
                 log.error("kafka sender thread did not stop in time")
+
+    async def replay(self, topics: list[Topic], group: str, since_ts: float, handle: Callable[[Record], object],
+                     stop: asyncio.Event | None = None, *, stall_timeout_s: float = 30.0) -> int:
+        """Hand `handle` (on the event loop) every record of `topics` that `group` already consumed and
+        that was written at or after `since_ts`: in each partition, from the first offset whose
+        timestamp is >= since_ts (offsets_for_times) up to the group's committed offset. This is how a
+        restarted consumer rebuilds state it kept in memory; the group itself goes on from its commits,
+        so nothing is handed twice. Partitions the group never committed are skipped (the group reads
+        them from the beginning anyway). Returns how many records were handed over; stops early (with a
+        warning) when the broker gives nothing for `stall_timeout_s`, or when `stop` is set."""
+        chunks: queue.Queue[list[Record] | BaseException | None] = queue.Queue(maxsize=4)
+        halt = threading.Event()
+
+        def put(item: list[Record] | BaseException | None) -> None:
+            while not halt.is_set():
+                try:
+                    chunks.put(item, timeout=0.2)
+                    return
+                except queue.Full:
+                    continue
+
+        def run() -> None:
+            try:
+                for chunk in self._read_back(topics, group, since_ts, halt, stall_timeout_s):
+                    put(chunk)
+            except Exception as e:
+                put(e)
+            finally:
+                put(None)
+
+        def take() -> list[Record] | BaseException | None | bool:
+            try:
+                return chunks.get(timeout=0.5)
+            except queue.Empty:
+                return False
+
+        thread = threading.Thread(target=run, name="modelcanary-kafka-replay", daemon=True)
+        thread.start()
+        n = 0
+        try:
+            while stop is None or not stop.is_set():
+                item = await asyncio.to_thread(take)
+                if item is False:
+                    continue
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    log.warning("reading %s back failed: %s; going on with %d records",
+                                ", ".join(topics), _describe(item), n)
+                    break
+                for record in item:
+                    handle(record)
+                n += len(item)
+        finally:
+            halt.set()
+            await asyncio.to_thread(thread.join, 10.0)
+        return n
+
+    def _read_back(self, topics: list[Topic], group: str, since_ts: float, halt: threading.Event,
+                   stall_timeout_s: float):
+        """replay()'s reader (its own thread and consumer): chunks of records, in each partition's order."""
+        consumer = build_client(
+            KafkaConsumer, client_id=f"{self._client_id}-replay", group_id=group, enable_auto_commit=False,
+            auto_offset_reset="earliest", allow_auto_create_topics=False, **self._client_config())
+        try:
+            names = {self.names[t]: t for t in topics}
+            tps = [TopicPartition(name, p) for name in names for p in sorted(consumer.partitions_for_topic(name) or ())]
+            if not tps:
+                return
+            timeout_ms = int(self._request_timeout_s * 1000)
+            found = consumer.offsets_for_times({tp: int(since_ts * 1000) for tp in tps}, timeout_ms=timeout_ms)
+            ends: dict[TopicPartition, int] = {}
+            for tp in tps:
+                start = found.get(tp)
+                # no record that new: None, or (Tansu) offset 0 with timestamp -1
+                if start is None or start.timestamp < 0:
+                    continue
+                committed = consumer.committed(tp, timeout_ms=timeout_ms)
+                if committed is not None and start.offset < committed:
+                    ends[tp] = committed
+                    log.debug("reading %s[%d] back from %d to %d", tp.topic, tp.partition, start.offset, committed)
+            if not ends:
+                return
+            consumer.assign(list(ends))
+            for tp in ends:
+                consumer.seek(tp, found[tp].offset)
+            last_progress = time.monotonic()
+            while ends and not halt.is_set():
+                raw = consumer.poll(timeout_ms=300, max_records=2000)
+                chunk: list[Record] = []
+                for tp, messages in raw.items():
+                    end = ends.get(tp)
+                    if end is None:
+                        continue
+                    for m in messages:
+                        if m.offset >= end:
+                            break
+                        try:
+                            chunk.append(load(json.loads(m.value)))
+                        except Exception:
+                            log.warning("skipped an undecodable record at %s[%d]@%d", tp.topic, tp.partition, m.offset)
+                for tp in [tp for tp, end in ends.items() if consumer.position(tp) >= end]:
+                    del ends[tp]
+                    consumer.pause(tp)
+                if raw:
+                    last_progress = time.monotonic()
+                elif time.monotonic() - last_progress > stall_timeout_s:
+                    log.warning("reading %s back: nothing for %.0f s; going on without the rest",
+                                ", ".join(topics), stall_timeout_s)
+                    return
+                if chunk:
+                    yield chunk
+        finally:
+            consumer.close(autocommit=False)
 
     # ---- introspection (tests, status) --------------------------------------------------------
 
@@ -262,6 +454,7 @@ class KafkaBus:
                 elif busy:
                     self._replay_chunk_once()
                 self._spool.flush()
+                self._settled = self._handled
             except Exception:
                 log.exception("kafka sender loop error")
                 time.sleep(0.1)
@@ -282,7 +475,13 @@ class KafkaBus:
             if self._tripped.is_set():
                 return
 
-    def _handle(self, topic: Topic, record: Record) -> None:
+    def _handle(self, topic: Topic, record: Record, ticket: int) -> None:
+        try:
+            self._handle_one(topic, record, ticket)
+        finally:
+            self._handled = ticket
+
+    def _handle_one(self, topic: Topic, record: Record, ticket: int) -> None:
         if self._tripped.is_set():
             self._trip()  # spool the failed in-flight records first: order is kept
         try:
@@ -293,9 +492,13 @@ class KafkaBus:
             log.warning("cannot serialise a %s record: %s", topic, e)
             return
         if self._producer is not None and len(self._spool) == 0:
-            self._send(_Pending(topic, key, value))
+            self._send(_Pending(topic, key, value, ticket))
         else:
-            self._spool.append(topic, key, value)
+            self._spool_one(topic, key, value)
+
+    def _spool_one(self, topic: Topic, key: str, value: bytes) -> None:
+        if not self._spool.append(topic, key, value):
+            self._count_lost()
 
     def _send(self, item: _Pending) -> None:
         seq = next(self._seq)
@@ -317,10 +520,11 @@ class KafkaBus:
         future.add_errback(self._on_error, seq)
 
     def _on_delivered(self, seq: int, _metadata: object) -> None:
-        with self._lock:
-            item = self._inflight.pop(seq, None)
-        if item is not None:
-            self._published[item.topic].inc()
+        with self._lock:  # counted before it leaves flight: a flush that returned has it counted
+            item = self._inflight.get(seq)
+            if item is not None:
+                self._published[item.topic].inc()
+                del self._inflight[seq]
 
     def _on_error(self, seq: int, exc: BaseException) -> None:
         with self._lock:
@@ -344,14 +548,20 @@ class KafkaBus:
         with self._lock:
             failed, self._failed = self._failed, []
             leftover, self._inflight = self._inflight, {}
+            items = [(seq, item, exc) for seq, item, exc in failed]
+            items += [(seq, item, None) for seq, item in leftover.items()]
+            self._spooling = [item for _, item, _ in items]  # still unsettled for flush()
             self._tripped.clear()
-        items = [(seq, item, exc) for seq, item, exc in failed]
-        items += [(seq, item, None) for seq, item in leftover.items()]
-        for _, item, exc in sorted(items, key=lambda x: x[0]):
-            if isinstance(exc, _TOO_LARGE):
-                metrics.events_dropped_total.labels(item.topic, "too_large").inc()
-            else:
-                self._spool.append(item.topic, item.key, item.value)
+        try:
+            for _, item, exc in sorted(items, key=lambda x: x[0]):
+                if isinstance(exc, _TOO_LARGE):
+                    metrics.events_dropped_total.labels(item.topic, "too_large").inc()
+                else:
+                    self._spool_one(item.topic, item.key, item.value)
+            self._spool.flush()
+        finally:
+            with self._lock:
+                self._spooling = []
         self._schedule_probe()
 
     def _schedule_probe(self) -> None:
@@ -374,12 +584,13 @@ class KafkaBus:
             return False
         producer = None
         try:
-            admin = KafkaAdminClient(client_id=f"{self._client_id}-admin", **self._client_config())
+            admin = build_client(KafkaAdminClient, client_id=f"{self._client_id}-admin", **self._client_config())
             try:
                 ensure_topics(admin, self.names, self.kafka.partitions)
             finally:
                 admin.close()
-            producer = KafkaProducer(
+            producer = build_client(
+                KafkaProducer,
                 client_id=f"{self._client_id}-producer",
                 acks="all",
                 linger_ms=self.kafka.linger_ms,
@@ -474,6 +685,7 @@ class KafkaBus:
             self._spool.close()
         except Exception:
             log.exception("closing the spool failed")
+        self._settled = self._handled
         if len(self._spool):
             log.info("%d records left in the spool for the next start", len(self._spool))
 
@@ -521,8 +733,11 @@ class KafkaSubscription:
     """One KafkaConsumer, polled without pause by its own thread; records wait in a small buffer.
 
     Polling all the time (not only inside get_batch) keeps heartbeats and group joins going however
-    slowly the caller works, so `max_poll_interval_ms` is never exceeded by slow work, and a join that
-    completes between two short polls is not lost (kafka-python 3.0 drops such a join and re-joins).
+    slowly the caller works, so `max_poll_interval_ms` is never exceeded by slow work (a shadow worker
+    may hold records for minutes while upstream calls retry; only this thread's own calls, each
+    bounded well below the interval, come between two polls), and a join that completes between two
+    short polls is not lost (kafka-python 3.0 drops such a join and re-joins). The interval is also
+    the rebalance timeout a join waits for, which is why it stays small: joins take ~3 s.
     When the buffer is full the partitions are paused. `group=None`: every partition from the
     beginning, no group, no commits.
     """
@@ -707,7 +922,7 @@ class KafkaSubscription:
             return None
         consumer = None
         try:
-            admin = KafkaAdminClient(client_id=f"{bus._client_id}-admin", **bus._client_config())
+            admin = build_client(KafkaAdminClient, client_id=f"{bus._client_id}-admin", **bus._client_config())
             try:
                 ensure_topics(admin, bus.names, bus.kafka.partitions)
             finally:
@@ -728,7 +943,7 @@ class KafkaSubscription:
                     heartbeat_interval_ms=self.heartbeat_interval_ms,
                     request_timeout_ms=max(config["request_timeout_ms"], self.session_timeout_ms + 5000),
                 )
-            consumer = KafkaConsumer(**config)
+            consumer = build_client(KafkaConsumer, **config)
             if self.group is not None:
                 consumer.subscribe(list(self._names), listener=_Revoked(self))
             else:
@@ -837,7 +1052,9 @@ class KafkaSubscription:
         if not mine:
             return
         try:
-            consumer.commit(mine)
+            # bounded well inside max_poll_interval_ms: this thread must get back to polling (a
+            # coordinator that is away would otherwise hold it for the whole request timeout)
+            consumer.commit(mine, timeout_ms=self.max_poll_interval_ms // 2)
         except Exception as e:
             log.warning("kafka commit (%s) failed: %s; those records will be delivered again",
                         self._label, _describe(e))
@@ -875,10 +1092,22 @@ class Message:
     value: dict
 
 
+READ_MAX_RECORDS = 10000
+
+
 def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
                   security: dict | None = None) -> list[Message]:
-    """Every message of a topic from the beginning (no group), in partition/offset order."""
-    consumer = KafkaConsumer(
+    """Every message of a topic from the beginning (no group), in partition/offset order.
+
+    Reads until caught up with what the topic held when the call started (records written meanwhile
+    may be included too), so a topic being written returns as promptly as an idle one; `timeout_s`
+    bounds the whole call. End offsets are snapshot first. Tansu reports one past the *first* record
+    of a partition's last batch, not one past its last record; once a poll returns that record, the
+    rest of its batch came in the same fetch, and a poll not cut short by `max_records` returns all
+    of it. So a partition is caught up when its position reaches the snapshot after such a poll.
+    """
+    consumer = build_client(
+        KafkaConsumer,
         bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
         request_timeout_ms=int(timeout_s * 1000), bootstrap_timeout_ms=int(timeout_s * 1000),
         **client_security(security),
@@ -896,15 +1125,17 @@ def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
         out: list[Message] = []
-        quiet = 0  # end offsets are a lower bound on some brokers (Tansu): stop after two empty polls past them
-        while time.monotonic() < deadline and quiet < 2:
-            batch = consumer.poll(timeout_ms=300, max_records=10000)
+        behind = {tp for tp in tps if consumer.position(tp) < ends[tp]}
+        while behind and time.monotonic() < deadline:
+            batch = consumer.poll(timeout_ms=300, max_records=READ_MAX_RECORDS)
+            got = 0
             for tp, messages in batch.items():
+                got += len(messages)
                 for m in messages:
                     out.append(Message(tp.topic, tp.partition, m.offset,
                                        m.key.decode() if m.key is not None else None, _json_or_raw(m.value)))
-            reached = all(consumer.position(tp) >= ends[tp] for tp in tps)
-            quiet = quiet + 1 if reached and not batch else 0
+            if got < READ_MAX_RECORDS:  # nothing fetched was held back: each batch returned came whole
+                behind = {tp for tp in behind if consumer.position(tp) < ends[tp]}
         return sorted(out, key=lambda m: (m.partition, m.offset))
     finally:
         consumer.close(autocommit=False)

@@ -14,11 +14,16 @@ Sources and arms:
   shadow/candidate EvaluationRecord.candidate (+ agreement counts)
   shadow/stable    the same records' live stable answer (stable_latency_s, stable_cost_usd)
   shadow/replay    the stable asked again on the same request (`stable_again`, when records carry it)
+
+Records are idempotent by request_id (DESIGN §8): a record delivered twice (at least once delivery,
+a spool replay after an outage, a shadow worker re-evaluating after a crash, a restarted controller
+reading back) counts once. The ids of the last DEDUP_MEMORY accepted records are remembered.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +35,8 @@ from service.judge.tests import LATENCY_EDGES
 from service.records import EvaluationRecord, OutcomeEvent, RolloutState
 
 log = logging.getLogger("modelcanary.judge")
+
+DEDUP_MEMORY = 100_000     # accepted record ids remembered per route (duplicates arrive close together)
 
 _CAUSE_INDEX = {c: i for i, c in enumerate(MODEL_CAUSES)}
 _NBINS = len(LATENCY_EDGES) - 1
@@ -142,6 +149,8 @@ class RouteEvidence:
         self._known = set(self.segments)
         self.windows: list[Window] = []
         self.dropped = 0  # records older than the rollout (or of another model pair)
+        self.duplicates = 0  # records already counted (same request_id)
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
         self.shadow_stats = _make_shadow_stats()
 
     # ---- windows ----------------------------------------------------------------------------
@@ -164,6 +173,16 @@ class RouteEvidence:
         return self.windows[-1] if self.windows else None
 
     # ---- records ----------------------------------------------------------------------------
+    def _first(self, key: tuple) -> bool:
+        """Remember `key`; False (a duplicate, counted) when it was seen already."""
+        if key in self._seen:
+            self.duplicates += 1
+            return False
+        self._seen[key] = None
+        if len(self._seen) > DEDUP_MEMORY:
+            self._seen.popitem(last=False)
+        return True
+
     def _segments_of(self, segment: str) -> tuple[str, ...]:
         # Unknown segment names count towards `overall` only (the comparison budget is fixed).
         return ("overall", segment) if segment in self._known and segment != "overall" else ("overall",)
@@ -181,14 +200,15 @@ class RouteEvidence:
             return False
         segs = self._segments_of(ev.segment)
         if ev.kind == "feedback":
-            if ev.success is None:
+            # feedback by session shares its id with the session's other feedback: its time tells them apart
+            if ev.success is None or not self._first(("feedback", ev.request_id, ev.ts)):
                 return False
             for s in segs:
                 a = w.acc(arm, s)
                 a.fb_n += 1
                 a.fb_success += int(bool(ev.success))
             return True
-        if ev.outcome is None:
+        if ev.outcome is None or not self._first(("request", ev.request_id)):
             return False
         for s in segs:
             w.acc(arm, s).add_request(ev.outcome, ev.cause, ev.blame, ev.latency_s, ev.cost_usd, ev.client_retry)
@@ -202,6 +222,8 @@ class RouteEvidence:
         w = self._window_for(rec.ts)
         if w is None:
             self.dropped += 1
+            return False
+        if not self._first(("evaluation", rec.request_id)):
             return False
         cand = rec.candidate
         for s in self._segments_of(rec.segment):
