@@ -39,7 +39,7 @@ GROUP = "modelcanary-controller"
 MAX_BATCH = 2000
 MIN_INTERVAL_S = 0.05       # the judge never runs more often than this
 MAX_INTERVAL_S = 5.0        # ... and never less often than this
-MIN_GAP_ON_BATCH_S = 0.2    # a busy bus re-runs the judge at most this often
+MIN_GAP_ON_BATCH_S = 1.0    # a busy bus re-runs the judge at most this often (it shares the proxy's loop)
 WEBHOOK_TIMEOUT_S = 5.0
 REPLAY_SKEW_S = 60.0        # read back from this long before a rollout began (clocks of other hosts)
 
