@@ -1093,18 +1093,21 @@ class Message:
 
 
 READ_MAX_RECORDS = 10000
+READ_SETTLE_POLLS = 2
 
 
 def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
                   security: dict | None = None) -> list[Message]:
     """Every message of a topic from the beginning (no group), in partition/offset order.
 
-    Reads until caught up with what the topic held when the call started (records written meanwhile
-    may be included too), so a topic being written returns as promptly as an idle one; `timeout_s`
-    bounds the whole call. End offsets are snapshot first. Tansu reports one past the *first* record
-    of a partition's last batch, not one past its last record; once a poll returns that record, the
-    rest of its batch came in the same fetch, and a poll not cut short by `max_records` returns all
-    of it. So a partition is caught up when its position reaches the snapshot after such a poll.
+    Reads until caught up with what the topic held when the call started, then polls twice more (up
+    to 0.3 s each: a record written just before the call still comes, as it always did), so a topic
+    being written returns about as promptly as an idle one; `timeout_s` bounds the whole call.
+
+    End offsets are snapshot first. Tansu reports one past the *first* record of a partition's last
+    batch, not one past its last record; once a poll returns that record, the rest of its batch came
+    in the same fetch, and a poll not cut short by `max_records` returns all of it. So a partition is
+    caught up when its position reaches the snapshot after such a poll.
     """
     consumer = build_client(
         KafkaConsumer,
@@ -1126,7 +1129,9 @@ def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
         ends = consumer.end_offsets(tps)
         out: list[Message] = []
         behind = {tp for tp in tps if consumer.position(tp) < ends[tp]}
-        while behind and time.monotonic() < deadline:
+        settling = 0  # polls since caught up
+        while settling < READ_SETTLE_POLLS and time.monotonic() < deadline:
+            settling += 0 if behind else 1
             batch = consumer.poll(timeout_ms=300, max_records=READ_MAX_RECORDS)
             got = 0
             for tp, messages in batch.items():
@@ -1134,7 +1139,7 @@ def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
                 for m in messages:
                     out.append(Message(tp.topic, tp.partition, m.offset,
                                        m.key.decode() if m.key is not None else None, _json_or_raw(m.value)))
-            if got < READ_MAX_RECORDS:  # nothing fetched was held back: each batch returned came whole
+            if behind and got < READ_MAX_RECORDS:  # nothing fetched was held back: each batch came whole
                 behind = {tp for tp in behind if consumer.position(tp) < ends[tp]}
         return sorted(out, key=lambda m: (m.partition, m.offset))
     finally:
