@@ -139,7 +139,9 @@ def test_restarted_controller_keeps_phase_and_step(kafka_broker, servers, tmp_pa
     resumed = _wait(lambda: (s := _state(b.url)).get("recommendation") and
                     s["recommendation"]["ts"] > killed_at and s, 30)
     assert resumed, _state(b.url)
-    assert (resumed["phase"], resumed["step_index"]) == (before["phase"], before["step_index"])
+    # it resumed where the killed one stopped (and, with its evidence rebuilt, may already step on)
+    assert f"resuming route support-bot: phase {before['phase']}, step {before['step_index']} " in restarted.output()
+    assert resumed["phase"] == before["phase"] and resumed["step_index"] >= before["step_index"]
     assert resumed["version"] > before["version"]
     assert restarted.proc.poll() is None
     # SIGTERM: a clean exit
