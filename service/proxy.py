@@ -9,12 +9,13 @@ import os
 import time
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from service import metrics
 from service.client_retries import RetryDetector
 from service.config import Checks, Config
 from service.errors import error_body, is_openai_error, openai_error
+from service.event_stream import EventStreamResponse
 from service.outcome import COMPLETED, Verdict, classify_chat, classify_other, error_cause, failed
 from service.recorder import Call, Recorder
 from service.rollout import RolloutBook
@@ -205,8 +206,7 @@ class Proxy:
         assert reply is not None
         call.status = reply.status
         if call.stream and reply.status == 200:
-            return StreamingResponse(self._relay(call, reply), status_code=200, media_type="text/event-stream",
-                                     headers=self._headers(call) | SSE_HEADERS)
+            return EventStreamResponse(self._relay(call, reply), headers=self._headers(call) | SSE_HEADERS)
         return self._respond(call, self._plain(call, reply))
 
     def _plain(self, call: Call, reply) -> Response:
@@ -379,8 +379,8 @@ class Proxy:
         reply = attempt.reply
         call.status = reply.status
         if stream and reply.status == 200:
-            return StreamingResponse(self._relay(call, reply), status_code=200, headers=self._headers(call) | SSE_HEADERS,
-                                     media_type=reply.headers.get("content-type", "text/event-stream"))
+            return EventStreamResponse(self._relay(call, reply), headers=self._headers(call) | SSE_HEADERS,
+                                       media_type=reply.headers.get("content-type", "text/event-stream"))
         call.verdict = classify_other(reply.status)
         return self._respond(call, Response(reply.body, status_code=reply.status, headers=self._headers(call),
                                             media_type=reply.headers.get("content-type", "application/json")))

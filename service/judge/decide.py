@@ -102,29 +102,42 @@ def evaluate(evidence: RouteEvidence, rc: RouteConfig, boundary: Boundary | None
     """Every catalog comparison in every segment that has data in both arms."""
     boundary = boundary or MixtureBoundary()
     alpha_each = alpha if alpha is not None else alpha_per_comparison(rc)
-    out: list[Comparison] = []
     if not evidence.windows:
-        return out
-    for spec in build_catalog(rc):
-        s_arr, c_arr = evidence.arms(spec)
-        res = compare(spec.test, boundary, s_arr, c_arr, alpha_each, spec.bound, spec.worse_if)
+        return []
+    n_seg = len(evidence.segments)
+    catalog = build_catalog(rc)
+    # Specs sharing a test are judged in one vectorised call: (specs × segments, windows, fields).
+    groups: dict[int, list[tuple[int, MetricSpec]]] = {}
+    for order, spec in enumerate(catalog):
+        groups.setdefault(id(spec.test), []).append((order, spec))
+    found: dict[tuple[int, int], Comparison] = {}
+    for members in groups.values():
+        specs = [spec for _, spec in members]
+        arms = [evidence.arms(spec) for spec in specs]
+        s_arr = np.concatenate([a[0] for a in arms])
+        c_arr = np.concatenate([a[1] for a in arms])
+        bound = np.repeat([spec.bound for spec in specs], n_seg)
+        worse_if = np.repeat([spec.worse_if for spec in specs], n_seg)
+        res = compare(specs[0].test, boundary, s_arr, c_arr, alpha_each, bound, worse_if)
         est = res.estimate
         # A rate that is zero in both arms (a cause that never happened, no client retries) is
         # trivially within its margin; it is left out of the list rather than reported as a comparison.
         no_events = (s_arr[..., 1].sum(axis=-1) == 0) & (c_arr[..., 1].sum(axis=-1) == 0) \
-            if isinstance(spec.test, ProportionTest) else np.zeros(len(evidence.segments), dtype=bool)
-        for i, seg in enumerate(evidence.segments):
-            n_c, n_s = int(est.n_candidate[i]), int(est.n_stable[i])
-            if n_c == 0 or n_s == 0 or no_events[i] or not math.isfinite(float(est.effect[i])):
-                continue
-            lo, hi = float(res.lo[i]), float(res.hi[i])
-            effect = float(est.effect[i])
-            if spec.unit == "ratio":
-                effect, lo, hi = math.exp(effect), math.exp(lo), math.exp(min(hi, 700.0))
-            out.append(Comparison(spec=spec, segment=seg, stable=_f(est.stable[i]), candidate=_f(est.candidate[i]),
-                                  effect=effect, interval=(lo, hi), n=n_c, n_stable=n_s,
-                                  verdict=int(res.verdict[i])))
-    return out
+            if isinstance(specs[0].test, ProportionTest) else np.zeros(len(s_arr), dtype=bool)
+        for k, (order, spec) in enumerate(members):
+            for j, seg in enumerate(evidence.segments):
+                i = k * n_seg + j
+                n_c, n_s = int(est.n_candidate[i]), int(est.n_stable[i])
+                if n_c == 0 or n_s == 0 or no_events[i] or not math.isfinite(float(est.effect[i])):
+                    continue
+                lo, hi = float(res.lo[i]), float(res.hi[i])
+                effect = float(est.effect[i])
+                if spec.unit == "ratio":
+                    effect, lo, hi = math.exp(effect), math.exp(lo), math.exp(min(hi, 700.0))
+                found[order, j] = Comparison(
+                    spec=spec, segment=seg, stable=_f(est.stable[i]), candidate=_f(est.candidate[i]),
+                    effect=effect, interval=(lo, hi), n=n_c, n_stable=n_s, verdict=int(res.verdict[i]))
+    return [found[key] for key in sorted(found)]  # catalog order, then segment order
 
 
 def rule(any_worse, step_ready, last_step, promote_ok, past_max, rollback_on_inconclusive):

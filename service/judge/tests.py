@@ -133,7 +133,7 @@ class Interval:
 
 
 def compare(test: JudgeTest, boundary: Boundary, stable: np.ndarray, candidate: np.ndarray, alpha: float,
-            bound: float, worse_if: Literal["above", "below"],
+            bound: float | np.ndarray, worse_if: Literal["above", "below"] | np.ndarray,
             min_count: int = MIN_COUNT_FOR_VERDICT) -> Interval:
     """Estimate, interval and verdict against a non-inferiority bound (in effect units).
 
@@ -141,7 +141,8 @@ def compare(test: JudgeTest, boundary: Boundary, stable: np.ndarray, candidate: 
     (failure rates, latency, log cost ratio); "below": when it falls under
     `bound` (completion rate, task success, agreement; bound is then −margin).
     worse ⇔ the whole interval is on the wrong side of the bound; within ⇔ the
-    whole interval is on the right side.
+    whole interval is on the right side. `bound` and `worse_if` may be arrays
+    over the leading shape (several metrics of one test judged in one call).
     """
     est = test.estimate(stable, candidate)
     r = boundary.radius(est.var, alpha, test)
@@ -151,11 +152,8 @@ def compare(test: JudgeTest, boundary: Boundary, stable: np.ndarray, candidate: 
         lo = np.clip(lo, *test.effect_range)
         hi = np.clip(hi, *test.effect_range)
     enough = (est.n_stable >= min_count) & (est.n_candidate >= min_count) & np.isfinite(r)
-    if worse_if == "above":
-        worse = lo > bound
-        within = hi < bound
-    else:
-        worse = hi < bound
-        within = lo > bound
+    above = np.asarray(worse_if) == "above"
+    worse = np.where(above, lo > bound, hi < bound)
+    within = np.where(above, hi < bound, lo > bound)
     verdict = np.where(enough & worse, WORSE, np.where(enough & within, WITHIN, INCONCLUSIVE))
     return Interval(est, lo, hi, verdict)
