@@ -14,7 +14,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,31 +36,13 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.fixtures.servers import free_port, wait_http  # noqa: E402
+
 CHAT_BODY = {"model": "support-bot", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 DIRECT_BODY = {**CHAT_BODY, "model": "good-model"}   # the same request, sent straight to the simulator
 
 
 # ---- processes ------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}\n{tail(log)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status < 500:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s\n{tail(log)}")
-
 
 def tail(path: Path | None, n: int = 3000) -> str:
     if path is None or not path.exists():

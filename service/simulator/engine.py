@@ -535,9 +535,8 @@ class Engine:
             return Reply(hang=True)
         return None  # bad_response: built by the caller, which knows the body
 
-    # -------------------------------------------------------- POST /v1/chat/completions
-
-    def chat(self, raw: bytes, task_type: str | None = None) -> Reply:
+    def _body_and_model(self, raw: bytes) -> tuple[dict, ModelState] | Reply:
+        """The JSON body and the simulated model it names, or the error OpenAI would answer."""
         try:
             body = _loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -550,6 +549,16 @@ class Engine:
         ms = self.models.get(model) if isinstance(model, str) else None
         if ms is None:
             return self._model_not_found(model)
+        return body, ms
+
+    # -------------------------------------------------------- POST /v1/chat/completions
+
+    def chat(self, raw: bytes, task_type: str | None = None) -> Reply:
+        parsed = self._body_and_model(raw)
+        if isinstance(parsed, Reply):
+            return parsed
+        body, ms = parsed
+        model = ms.name
         messages = body.get("messages")
         if messages is None:
             return missing_param("messages")
@@ -749,18 +758,11 @@ class Engine:
     # -------------------------------------------------------- POST /v1/completions (legacy)
 
     def completion(self, raw: bytes, task_type: str | None = None) -> Reply:
-        try:
-            body = _loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return bad_json_reply()
-        if not isinstance(body, dict):
-            return invalid_param(None, "The request body must be a JSON object.")
-        model = body.get("model")
-        if model is None:
-            return missing_param("model")
-        ms = self.models.get(model) if isinstance(model, str) else None
-        if ms is None:
-            return self._model_not_found(model)
+        parsed = self._body_and_model(raw)
+        if isinstance(parsed, Reply):
+            return parsed
+        body, ms = parsed
+        model = ms.name
         prompt = body.get("prompt")
         if prompt is None:
             return missing_param("prompt")
@@ -832,18 +834,11 @@ class Engine:
     # -------------------------------------------------------- POST /v1/embeddings
 
     def embeddings(self, raw: bytes, task_type: str | None = None) -> Reply:
-        try:
-            body = _loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return bad_json_reply()
-        if not isinstance(body, dict):
-            return invalid_param(None, "The request body must be a JSON object.")
-        model = body.get("model")
-        if model is None:
-            return missing_param("model")
-        ms = self.models.get(model) if isinstance(model, str) else None
-        if ms is None:
-            return self._model_not_found(model)
+        parsed = self._body_and_model(raw)
+        if isinstance(parsed, Reply):
+            return parsed
+        body, ms = parsed
+        model = ms.name
         inp = body.get("input")
         if inp is None:
             return missing_param("input")
