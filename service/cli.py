@@ -16,9 +16,7 @@ def _config_or_exit(path: str):
     try:
         return load_config(path)
     except ConfigError as e:
-        print(f"error: config {e.source} is not valid:", file=sys.stderr)
-        for problem in e.problems:
-            print(f"  {problem}", file=sys.stderr)
+        print(e.explain(), file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -94,9 +92,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
 def cmd_control(args: argparse.Namespace) -> int:
     from service.controller import main
 
-    _config_or_exit(args.config)
+    config = _config_or_exit(args.config)
     _logging()
-    return main(args.config)
+    return main(config)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -106,9 +104,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         sim = load_simulator_config(args.config)
     except ConfigError as e:
-        print(f"error: simulator config {e.source} is not valid:", file=sys.stderr)
-        for problem in e.problems:
-            print(f"  {problem}", file=sys.stderr)
+        print(e.explain("simulator config"), file=sys.stderr)
         return 1
     serve(sim, args.host, args.port)
     return 0

@@ -268,6 +268,10 @@ class ConfigError(Exception):
         self.problems = problems
         super().__init__(f"{source}: " + "; ".join(problems))
 
+    def explain(self, what: str = "config") -> str:
+        """What the CLI prints: the file, then one problem per line."""
+        return "\n".join([f"error: {what} {self.source} is not valid:", *(f"  {p}" for p in self.problems)])
+
 
 _PLAIN_KEY = re.compile(r"[\w@:/+*-]+")
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import aiohttp
 
 from service.bus.base import EventBus
-from service.config import Config, ConfigError, load_config
+from service.config import Config
 from service.judge.decide import Judgement, judge
 from service.judge.evidence import RouteEvidence, window_key
 from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutState, dump
@@ -420,21 +420,12 @@ async def _control(config: Config) -> int:
     return 0
 
 
-def main(config_path: str) -> int:
+def main(config: Config) -> int:
     """`modelcanary control --config FILE`: the controller process for Kafka mode."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as e:
-        print(f"error: {e.source}:", file=sys.stderr)
-        for line in e.problems:
-            print(f"  {line}", file=sys.stderr)
-        return 1
     if config.events.backend != "kafka":
         print("error: events.backend is memory; the controller runs inside `modelcanary serve` "
               "(use `modelcanary control` with events.backend: kafka)", file=sys.stderr)
         return 1
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(_control(config))
     except KeyboardInterrupt:

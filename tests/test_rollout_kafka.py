@@ -151,7 +151,8 @@ def test_restarted_controller_keeps_phase_and_step(kafka_broker, servers, tmp_pa
 def test_control_refuses_memory_mode(servers, tmp_path):
     cfg = proxy_config("http://127.0.0.1:9")
     path = write_yaml(tmp_path / "mem.yaml", cfg)
+    from service.config import load_config
     from service.controller import main
 
-    assert main(str(path)) == 1
+    assert main(load_config(str(path))) == 1
 

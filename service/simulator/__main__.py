@@ -20,9 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_simulator_config(args.config)
     except ConfigError as e:
-        print(f"error: invalid simulator config {e.source}:", file=sys.stderr)
-        for line in e.problems:
-            print(f"  {line}", file=sys.stderr)
+        print(e.explain("simulator config"), file=sys.stderr)
         return 1
     try:
         serve(config, args.host, args.port)
