@@ -31,7 +31,7 @@ import logging
 import signal
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 
 from collectors.evaluators import default_evaluators
@@ -41,6 +41,7 @@ from service import __version__, metrics
 from service.bus import EventBus, Subscription, make_bus
 from service.config import Checks, Config, ConfigError, load_config
 from service.outcome import classify_chat, error_cause, failed
+from service.recent import Recent
 from service.records import CandidateResult, EvaluationRecord, EvaluationResult, Repro, TrafficEvent
 from service.segments import estimate_tokens, message_chars
 from service.upstream import make_providers
@@ -198,15 +199,13 @@ class _Seen:
 
     def __init__(self, capacity: int = DEDUP_MEMORY):
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids = Recent(capacity)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ids
 
     def add(self, request_id: str) -> None:
-        self._ids[request_id] = None
-        if len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        self._ids.add(request_id)
 
 
 class ShadowWorker:

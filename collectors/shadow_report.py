@@ -55,9 +55,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from service.recent import Recent
 from service.records import EvaluationRecord
 
 CONFIDENCE = 0.95
@@ -299,8 +299,7 @@ class ShadowStats:
         self.route = route
         self.stable_model: str | None = None
         self.candidate_model: str | None = None
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._seen_memory = seen_memory
+        self._seen = Recent(seen_memory)
         self._segments: dict[str, Segment] = {OVERALL: Segment()}
         self.n = 0
         self._replayed = 0
@@ -310,11 +309,8 @@ class ShadowStats:
         if self.route is not None and record.route != self.route:
             return
         rid = record.request_id
-        if rid in self._seen:
+        if not self._seen.add(rid):
             return
-        self._seen[rid] = None
-        if len(self._seen) > self._seen_memory:
-            self._seen.popitem(last=False)
         self.n += 1
         self.stable_model, self.candidate_model = record.stable_model, record.candidate_model
         if record.stable_again is not None:

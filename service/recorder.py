@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from service import metrics
 from service.bus.base import EventBus
 from service.config import Config, redaction_patterns
 from service.outcome import Verdict
+from service.recent import Recent
 from service.records import OutcomeEvent, PrimaryResult, TrafficEvent
 from service.routing import session_hash
 from service.sampler import ShadowSampler
@@ -78,7 +78,10 @@ class Recorder:
         self.bus = bus
         self.sampler = sampler
         self.config_version = config.version()
-        self._served: OrderedDict[str, Served] = OrderedDict()
+        # request id, and ("session", hash), -> (index in _labels, has a session hash, session hash - 2**63)
+        self._served = Recent(FEEDBACK_MEMORY, width=3)
+        self._labels: list[tuple[str, str, str, str]] = []  # (route, model, role, segment): few
+        self._label_index: dict[tuple[str, str, str, str], int] = {}
         self._redact = self._compile_redactions(config)
         # labelled children looked up once per label set (`labels()` takes a lock and builds tuples)
         self._requests = metrics.LabelCache(metrics.requests_total)
@@ -125,7 +128,7 @@ class Recorder:
             output_tokens=output_tokens, cost_usd=cost, client_retry=call.client_retry,
             upstream_retries=call.upstream_retries, kind="request", success=None, reason=None,
         ))
-        self._remember(call.request_id, Served(route, model, role, call.segment, sid), sid)
+        self._remember(call.request_id, (route, model, role, call.segment), sid)
         if call.span is not None:
             call.span.finish(response_model=(call.response or {}).get("model"), input_tokens=input_tokens,  # type: ignore[attr-defined]
                              output_tokens=output_tokens, finish_reasons=call.finish_reasons,
@@ -154,20 +157,29 @@ class Recorder:
         )
 
     # ---- feedback --------------------------------------------------------------------------
-    def _remember(self, request_id: str, served: Served, sid: str | None) -> None:
-        self._served[request_id] = served
+    def _remember(self, request_id: str, labels: tuple[str, str, str, str], sid: str | None) -> None:
+        index = self._label_index.get(labels)
+        if index is None:
+            index = self._label_index[labels] = len(self._labels)
+            self._labels.append(labels)
         if sid:
-            self._served["session:" + sid] = served
-        while len(self._served) > FEEDBACK_MEMORY:
-            self._served.popitem(last=False)
+            signed = int(sid, 16) - 2**63
+            self._served.put(request_id, index, 1, signed)
+            self._served.put(("session", sid), index, 1, signed)
+        else:
+            self._served.put(request_id, index, 0, 0)
 
     def served(self, request_id: str | None, session_id: str | None) -> tuple[str, Served] | None:
-        if request_id and request_id in self._served:
-            return request_id, self._served[request_id]
+        if request_id and (found := self._served.get(request_id)) is not None:
+            return request_id, self._served_as(found)
         sid = session_hash(session_id)
-        if sid and ("session:" + sid) in self._served:
-            return "session:" + sid, self._served["session:" + sid]
+        if sid and (found := self._served.get(("session", sid))) is not None:
+            return "session:" + sid, self._served_as(found)
         return None
+
+    def _served_as(self, found: tuple[int, ...]) -> Served:
+        index, has_sid, signed = found
+        return Served(*self._labels[index], format(signed + 2**63, "016x") if has_sid else None)
 
     def feedback(self, key: str, served: Served, success: bool, reason: str | None) -> None:
         metrics.feedback_total.labels(served.route, served.model, served.role, "success" if success else "failure").inc()

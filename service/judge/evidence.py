@@ -23,7 +23,6 @@ reading back) counts once. The ids of the last DEDUP_MEMORY accepted records are
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +31,7 @@ from service.config import RouteConfig
 from service.judge import stats
 from service.judge.catalog import MODEL_CAUSES, Arm, MetricSpec, route_segments
 from service.judge.tests import LATENCY_EDGES
+from service.recent import Recent
 from service.records import EvaluationRecord, OutcomeEvent, RolloutState
 
 log = logging.getLogger("modelcanary.judge")
@@ -150,7 +150,7 @@ class RouteEvidence:
         self.windows: list[Window] = []
         self.dropped = 0  # records older than the rollout (or of another model pair)
         self.duplicates = 0  # records already counted (same request_id)
-        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._seen = Recent(DEDUP_MEMORY)
         self.shadow_stats = _make_shadow_stats()
 
     # ---- windows ----------------------------------------------------------------------------
@@ -175,13 +175,10 @@ class RouteEvidence:
     # ---- records ----------------------------------------------------------------------------
     def _first(self, key: tuple) -> bool:
         """Remember `key`; False (a duplicate, counted) when it was seen already."""
-        if key in self._seen:
-            self.duplicates += 1
-            return False
-        self._seen[key] = None
-        if len(self._seen) > DEDUP_MEMORY:
-            self._seen.popitem(last=False)
-        return True
+        if self._seen.add(key):
+            return True
+        self.duplicates += 1
+        return False
 
     def _segments_of(self, segment: str) -> tuple[str, ...]:
         # Unknown segment names count towards `overall` only (the comparison budget is fixed).
