@@ -39,7 +39,7 @@ from collectors.evaluators.agreement import compare
 from collectors.evaluators.base import EvalContext, Evaluator, ShadowCall
 from service import __version__, metrics
 from service.bus import EventBus, Subscription, make_bus
-from service.config import Checks, Config, ConfigError, load_config
+from service.config import Checks, Config
 from service.outcome import classify_chat, error_cause, failed
 from service.recent import Recent
 from service.records import CandidateResult, EvaluationRecord, EvaluationResult, Repro, TrafficEvent
@@ -513,15 +513,8 @@ async def _collect(config: Config) -> int:
     return 0
 
 
-def main(config_path: str) -> int:
+def main(config: Config) -> int:
     """`modelcanary collect --config FILE`: shadow workers in Kafka mode until SIGTERM/SIGINT."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as e:
-        print(f"error: config {e.source} is not valid:", file=sys.stderr)
-        for problem in e.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 1
     if config.events.backend != "kafka":
         print("error: `modelcanary collect` needs events.backend: kafka (in memory mode the shadow workers run "
               "inside `modelcanary serve`)", file=sys.stderr)

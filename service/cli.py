@@ -84,9 +84,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_collect(args: argparse.Namespace) -> int:
     from collectors.shadow import main
 
-    _config_or_exit(args.config)
+    config = _config_or_exit(args.config)
     _logging()
-    return main(args.config)
+    return main(config)
 
 
 def cmd_control(args: argparse.Namespace) -> int:
