@@ -38,9 +38,9 @@ TTFB_TARGET_MS = 0.5
 # BACKGROUND_RPS non-streamed requests runs through modelcanary all along: a proxy in production is
 # never idle, and on an idle machine each process hop pays the CPU's wake-up latency (~0.4 ms per
 # hop on the VM this was written on), which would be measured instead of the proxy. The background
-# outcomes also keep the embedded controller's judge ticks (every 0.2 s, on the proxy's event loop)
-# at random moments; without them every stream's end would trigger a tick just as the next stream
-# starts. Both effects are measured separately: idle (no background load), and back to back.
+# outcomes also keep the embedded controller's judge ticks (at most one a second, on the proxy's
+# event loop) at random moments; without them every stream's end would trigger a tick just as the
+# next stream starts. Both effects are measured separately: idle (no background load), and back to back.
 PAUSE_S = (0.0, 0.002)
 BACKGROUND_RPS = 200
 
@@ -328,7 +328,7 @@ def run(quick: bool = False, with_litellm: bool = True) -> dict:
           f"**idle machine** (no background load, streams 20-100 ms apart): modelcanary TTFB p50 "
           f"{h.fmt(idle_added.get('ttfb'), 3)} ms added, gap p99 {h.fmt(idle_added.get('gap_p99'), 3)} ms — "
           "each process hop then pays the CPU's wake-up latency; **back to back** (the next stream sent the instant "
-          "the previous ends, which is when its outcome wakes the embedded controller, whose ~4 ms judge tick runs "
+          "the previous ends, which is when its outcome wakes the embedded controller, whose ~1 ms judge tick runs "
           f"on the proxy's event loop): TTFB p50 {h.fmt(b2b_added.get('ttfb'), 3)} ms added, gap p99 "
           f"{h.fmt(b2b_added.get('gap_p99'), 3)} ms."]
     md += [f"> {n}" for n in notes]

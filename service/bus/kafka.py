@@ -747,6 +747,7 @@ class KafkaSubscription:
     session_timeout_ms = 6000
     heartbeat_interval_ms = 1000
     poll_timeout_ms = 100
+    metadata_max_age_ms = 5000
 
     def __init__(self, bus: KafkaBus, topics: list[Topic], group: str | None):
         self._bus = bus
@@ -933,6 +934,9 @@ class KafkaSubscription:
                 enable_auto_commit=False,
                 allow_auto_create_topics=False,  # topics are created with our partition count, not the broker's
                 max_poll_records=self.max_poll_records,
+                # A broker that came back empty recreates the topics later: fresh metadata within seconds
+                # (not kafka-python's 5 min) lets the group see them and rejoin, and topic ids be compared.
+                metadata_max_age_ms=self.metadata_max_age_ms,
                 **bus._client_config(),
             )
             if self.group is not None:
