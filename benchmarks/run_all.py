@@ -104,6 +104,13 @@ def headline(results: dict[str, dict]) -> str:
     if idle:
         add("streaming, no other traffic: added TTFB p50 / gap p99", "–",
             f"{h.fmt(idle.get('ttfb'), 3)} / {h.fmt(idle.get('gap_p99'), 3)} ms", None)
+    rows_si = {r["target"]: r for r in _get(results.get("shadow_impact") or {}, "latency/rows") or []}
+    s0, s10, s100 = (rows_si.get(f"shadow {p}%") or {} for p in (0, 10, 100))
+    if "added_p50_vs_0pct" in s10 and "added_p50_vs_0pct" in s100:
+        a, b = 100 * s10["added_p50_vs_0pct"], 100 * s100["added_p50_vs_0pct"]
+        da, db = (1000 * (r["added_p50_ms"] - s0["added_p50_ms"]) for r in (s10, s100))
+        add("shadow at 200 req/s: added p50 at 10% / 100% vs 0%", "+5% / +20%",
+            f"{a:+.1f}% / {b:+.1f}% ({da:+.0f} / {db:+.0f} µs)", a <= 5 and b <= 20)
     pl = results.get("pipeline") or {}
     v = _get(pl, "bus/events_per_s")
     add("events/s, one process → Tansu (KafkaBus)", "≥ 10,000", v, v is not None and v >= 10_000)
