@@ -129,6 +129,15 @@ def generate(url: str, model: str, rate: float, seconds: float, warmup: float, c
 # ---- part 1: added latency -------------------------------------------------------------------------
 
 
+def _median_ci(xs: list[float], level: float = 0.95, resamples: int = 4000) -> list[float]:
+    """Bootstrap interval of the median: how finely the rounds resolve a difference."""
+    import numpy as np
+
+    draws = np.random.default_rng(7).choice(np.asarray(xs), (resamples, len(xs)))
+    meds = np.median(draws, axis=1)
+    return [float(np.quantile(meds, (1 - level) / 2)), float(np.quantile(meds, (1 + level) / 2))]
+
+
 def added_latency(rate: float, seconds: float, rounds: int, warmup: float) -> dict:
     with Stack("shadow-impact") as stack:
         sim = simulator(stack, _sim())
@@ -195,6 +204,7 @@ def added_latency(rate: float, seconds: float, rounds: int, warmup: float) -> di
         added = [a - d for a, d in zip(row["turn_p50_ms"], direct_turns)]
         deltas = [a - b for a, b in zip(added, added0)]
         row["paired_added_p50_delta_vs_0pct_ms"] = statistics.median(deltas)
+        row["paired_added_p50_delta_ci_ms"] = _median_ci(deltas)
         row["paired_added_p50_vs_0pct"] = statistics.median(deltas) / statistics.median(added0)
     return {"rate_rps": rate, "seconds_per_turn": seconds, "rounds": rounds, "warmup_s": warmup, "rows": rows}
 
@@ -395,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([r["target"], r["requests"], r["errors"], r["p50_ms"], r["p99_ms"],
                          f"{min(spread):.3f}–{max(spread):.3f}" if spread else None, r.get("added_p50_ms"),
                          r.get("added_p99_ms"), _signed(r.get("added_p50_vs_0pct")),
-                         _signed(r.get("paired_added_p50_vs_0pct")), _signed(r.get("added_p99_vs_0pct")),
+                         _signed(r.get("paired_added_p50_vs_0pct")), _paired_us(r), _signed(r.get("added_p99_vs_0pct")),
                          r["cpu_ms_per_request"], r.get("shadow_requests"), r.get("shadow_dropped")])
         print(table(["target", "requests", "errors", "p50", "p99", "p50 per turn (min–max)", "added p50",
-                     "added p99", "added p50 vs 0%", "same, paired per round", "added p99 vs 0%",
+                     "added p99", "added p50 vs 0%", "same, paired per round",
+                     "paired Δ p50 µs [95% CI]", "added p99 vs 0%",
                      "proxy CPU ms/request", "shadow calls", "shadow drops"], rows, digits=3))
     if workers:
         print("\n### Evaluation records per second, one worker process (simulator time_scale 0, noise floor on)\n")
@@ -418,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
                                                        "records_per_s": 1000}})
     print(f"\nwrote {path.relative_to(ROOT)}")
     return 0
+
+
+def _paired_us(row: dict) -> str | None:
+    delta, ci = row.get("paired_added_p50_delta_vs_0pct_ms"), row.get("paired_added_p50_delta_ci_ms")
+    if delta is None or ci is None:
+        return None
+    return f"{1000 * delta:+.0f} [{1000 * ci[0]:+.0f}, {1000 * ci[1]:+.0f}]"
 
 
 def _signed(x: float | None) -> str | None:
