@@ -23,6 +23,7 @@ reading back) counts once. The ids of the last DEDUP_MEMORY accepted records are
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,8 +43,11 @@ _CAUSE_INDEX = {c: i for i, c in enumerate(MODEL_CAUSES)}
 _NBINS = len(LATENCY_EDGES) - 1
 
 
+_EDGES = LATENCY_EDGES.tolist()  # bisect on a list: a tenth of np.searchsorted's cost on one value
+
+
 def latency_bin(latency_s: float) -> int:
-    return int(min(max(np.searchsorted(LATENCY_EDGES, latency_s, side="right") - 1, 0), _NBINS - 1))
+    return min(max(bisect_right(_EDGES, latency_s) - 1, 0), _NBINS - 1)
 
 
 @dataclass
