@@ -194,20 +194,6 @@ def end_span(call: ShadowCall, body: dict) -> None:
 # ---- the worker ----------------------------------------------------------------------------------
 
 
-class _Seen:
-    """Request ids already evaluated, oldest forgotten first."""
-
-    def __init__(self, capacity: int = DEDUP_MEMORY):
-        self.capacity = capacity
-        self._ids = Recent(capacity)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._ids
-
-    def add(self, request_id: str) -> None:
-        self._ids.add(request_id)
-
-
 class ShadowWorker:
     """One consumer of the traffic topic with up to `collect.concurrency` evaluations in flight."""
 
@@ -221,7 +207,7 @@ class ShadowWorker:
         self.concurrency = config.collect.concurrency
         self.batch_size = max(self.concurrency, MIN_BATCH)  # records taken per read (fewer round trips)
         self.config_version = config.version()
-        self.seen = _Seen()
+        self.seen = Recent(DEDUP_MEMORY)  # request ids already evaluated, oldest forgotten first
         self._working: set[str] = set()
         self._warned: set[str] = set()
         self.evaluated = 0
