@@ -7,6 +7,7 @@ Everything listens on 127.0.0.1 only; every load run is bounded in time.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -478,3 +479,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
+
+
+def cli(run, description: str, argv: list[str] | None = None, litellm: bool = False) -> int:
+    """A benchmark's own command line: `--quick` (and `--no-litellm` for the side-by-side ones)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true")
+    if litellm:
+        p.add_argument("--no-litellm", action="store_true")
+    args = p.parse_args(argv)
+    result = run(args.quick, not args.no_litellm) if litellm else run(args.quick)
+    print(result["markdown"])
+    return 0

@@ -252,6 +252,16 @@ def run_sequential(scn: Scenario, runs: int, rng: np.random.Generator, boundary,
 
 # ---- Flagger-style -------------------------------------------------------------------------------------
 
+def _settle(decided: np.ndarray, samples: np.ndarray, minutes: np.ndarray, active: np.ndarray,
+            canary_total: np.ndarray, minute: int, rollback: np.ndarray, promote: np.ndarray) -> None:
+    """Record the runs that rolled back or promoted this minute and retire them (`active` in place)."""
+    for mask, code in ((rollback, ROLLBACK), (promote, PROMOTE)):
+        decided[mask] = code
+        samples[mask] = canary_total[mask]
+        minutes[mask] = minute
+        active &= ~mask
+
+
 def run_flagger(scn: Scenario, runs: int, rng: np.random.Generator) -> Outcome:
     traffic = Traffic(scn, rng)
     step = np.zeros(runs, dtype=int)
@@ -282,11 +292,7 @@ def run_flagger(scn: Scenario, runs: int, rng: np.random.Generator) -> Outcome:
         passed = active & ok
         promote = passed & (step == len(STEPS) - 1)
         step = np.where(passed & ~promote, step + 1, step)
-        for mask, code in ((rollback, ROLLBACK), (promote, PROMOTE)):
-            decided[mask] = code
-            samples[mask] = canary_total[mask]
-            minutes[mask] = minute
-            active &= ~mask
+        _settle(decided, samples, minutes, active, canary_total, minute, rollback, promote)
         if not active.any():
             break
     samples[active] = canary_total[active]
@@ -347,11 +353,7 @@ def run_kayenta(scn: Scenario, runs: int, rng: np.random.Generator) -> Outcome:
         in_step[advance] = 0
         for key in series:
             series[key][advance] = np.nan
-        for mask, code in ((rollback, ROLLBACK), (promote, PROMOTE)):
-            decided[mask] = code
-            samples[mask] = canary_total[mask]
-            minutes[mask] = minute
-            active &= ~mask
+        _settle(decided, samples, minutes, active, canary_total, minute, rollback, promote)
         if not active.any():
             break
     samples[active] = canary_total[active]

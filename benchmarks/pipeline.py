@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -257,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_publish":
         _publish_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return 0
-    p = argparse.ArgumentParser(description="pipeline throughput")
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
-    print(run(args.quick)["markdown"])
-    return 0
+    return h.cli(run, "pipeline throughput", argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Also the proxy process's CPU time per request, which is what bounds its throughp
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -147,12 +146,7 @@ def run(quick: bool = False, with_litellm: bool = True) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="proxy overhead and throughput")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-litellm", action="store_true")
-    args = p.parse_args(argv)
-    print(run(args.quick, not args.no_litellm)["markdown"])
-    return 0
+    return h.cli(run, "proxy overhead and throughput", argv, litellm=True)
 
 
 if __name__ == "__main__":

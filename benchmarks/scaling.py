@@ -15,7 +15,6 @@ two workers cannot double the rate here; the numbers say how much they add.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -121,11 +120,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="workers scaling and Prometheus multiprocess mode")
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
-    print(run(args.quick)["markdown"])
-    return 0
+    return h.cli(run, "workers scaling and Prometheus multiprocess mode", argv)
 
 
 if __name__ == "__main__":

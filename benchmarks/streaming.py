@@ -15,7 +15,6 @@ Two shapes of stream, each `--streams` times per target, one after the other:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -343,12 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_emitter":
         emitter_main(int(sys.argv[2]), int(sys.argv[3]))
         return 0
-    p = argparse.ArgumentParser(description="streaming benchmark")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-litellm", action="store_true")
-    args = p.parse_args(argv)
-    print(run(args.quick, not args.no_litellm)["markdown"])
-    return 0
+    return h.cli(run, "streaming benchmark", argv, litellm=True)
 
 
 if __name__ == "__main__":
