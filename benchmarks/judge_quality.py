@@ -44,8 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.config import RouteConfig  # noqa: E402
 from service.judge import stats as jstats  # noqa: E402
 from service.judge.catalog import alpha_per_comparison, comparisons_budget  # noqa: E402
-from service.judge.decide import HOLD, PROMOTE, ROLLBACK, STEP, rule  # noqa: E402
-from service.judge.tests import (  # noqa: E402
+from service.judge.comparisons import (  # noqa: E402
     WITHIN,
     WORSE,
     FixedBoundary,
@@ -54,6 +53,7 @@ from service.judge.tests import (  # noqa: E402
     ProportionTest,
     compare,
 )
+from service.judge.decide import HOLD, PROMOTE, ROLLBACK, STEP, rule  # noqa: E402
 
 # ---- traffic and plan ------------------------------------------------------------------------------
 

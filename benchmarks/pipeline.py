@@ -139,9 +139,9 @@ def judge_speed(n: int, seconds: float) -> dict:
 
     from service.bus.memory import MemoryBus
     from service.config import load_config
-    from service.controller import Controller
     from service.judge.decide import judge
-    from service.rollout import RolloutBook
+    from service.rollout.book import RolloutBook
+    from service.rollout.controller import Controller
 
     random.seed(7)
     tmp = Path(tempfile.mkdtemp(prefix="mcbench-judge-"))

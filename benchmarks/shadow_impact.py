@@ -214,9 +214,9 @@ def added_latency(rate: float, seconds: float, rounds: int, warmup: float) -> di
 
 async def _live_events(config, n: int, concurrency: int = 64) -> list:
     """Sampled traffic as the proxy would publish it: the stable model's live answers."""
-    from collectors.shadow import ShadowClient
+    from collectors.worker import ShadowClient
+    from service.proxy.segments import classify_segment
     from service.records import PrimaryResult, TrafficEvent
-    from service.segments import classify_segment
     from service.upstream import make_providers
 
     providers = make_providers(config)
@@ -252,7 +252,7 @@ async def _live_events(config, n: int, concurrency: int = 64) -> list:
 
 
 async def _memory_worker(sim_url: str, n: int, concurrency: int) -> dict:
-    from collectors.shadow import run_workers
+    from collectors.worker import run_workers
     from service.bus.memory import MemoryBus
     from service.config import parse_config
     from service.upstream import make_providers

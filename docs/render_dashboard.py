@@ -1,8 +1,8 @@
 """Render the Rollout dashboard's key panels to docs/rollout-dashboard.png from a real demo run.
 
 What it does, with real components only (loopback):
-  1. starts the simulator with examples/demo/simulator.yaml and `modelcanary serve` with
-     examples/demo/modelcanary.yaml (ports and state directories rewritten into a temporary
+  1. starts the simulator with service/demo/configs/simulator.yaml and `modelcanary serve` with
+     service/demo/configs/modelcanary.yaml (ports and state directories rewritten into a temporary
      directory, as `modelcanary demo` does);
   2. starts the Debian `prometheus` scraping the proxy every second, with the recording rules
      of dashboards/prometheus/rules.yaml loaded;
@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from dashboards.queries import annotation_queries, default_variables, panel_queries, substitute  # noqa: E402
-from service.demo import ROUTE, DemoStack, _traffic  # noqa: E402
+from service.demo.runner import ROUTE, DemoStack, _traffic  # noqa: E402
 from tests.fixtures.prometheus import PromServer, start_prometheus  # noqa: E402
 
 DASHBOARD = ROOT / "dashboards" / "json" / "modelcanary-rollout.json"

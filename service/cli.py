@@ -41,7 +41,7 @@ def tune_gc() -> None:
 
 def worker_app():
     """uvicorn factory for `serve --workers N` (each worker process): the app, with the GC tuned."""
-    from service.app import create_app_from_env
+    from service.compose import create_app_from_env
 
     app = create_app_from_env()
     tune_gc()
@@ -60,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "memory mode is one process", file=sys.stderr)
         return 1
     _logging()
-    from service.serve import GuardedHttpToolsProtocol  # httptools with head size and time limits
+    from service.proxy.server import GuardedHttpToolsProtocol  # httptools with head size and time limits
 
     common = dict(host=host, port=port, log_level="warning", access_log=False, loop="uvloop",
                   http=GuardedHttpToolsProtocol,
@@ -71,8 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="modelcanary-metrics-"))
         uvicorn.run("service.cli:worker_app", factory=True, workers=workers, **common)
         return 0
-    from service.app import create_app
-    from service.serve import DrainingServer
+    from service.compose import create_app
+    from service.proxy.server import DrainingServer
 
     app = create_app(config, os.path.abspath(args.config))
     server = DrainingServer(uvicorn.Config(app, **common), app.state.runtime)
@@ -82,15 +82,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    from collectors.shadow import main
+    from service.compose import collect
 
     config = _config_or_exit(args.config)
     _logging()
-    return main(config)
+    return collect(config)
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    from service.controller import main
+    from service.rollout.controller import main
 
     config = _config_or_exit(args.config)
     _logging()
@@ -111,7 +111,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from service.demo import run_demo
+    from service.demo.runner import run_demo
 
     return run_demo(duration=args.duration, good_candidate=args.good_candidate)
 
@@ -131,19 +131,19 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from service.admin_cli import status
+    from service.admin.cli import status
 
     return status(args.url, args.token, args.route)
 
 
 def cmd_action(args: argparse.Namespace) -> int:
-    from service.admin_cli import act
+    from service.admin.cli import act
 
     return act(args.url, args.token, args.route, args.command)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from service.admin_cli import report
+    from service.admin.cli import report
 
     return report(args.url, args.token, args.route, args.json)
 

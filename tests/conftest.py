@@ -9,6 +9,7 @@ pytest_plugins = [p for p in (
     "tests.fixtures.servers",
     "tests.fixtures.broker",
     "tests.fixtures.prometheus",
+    "tests.fixtures.llama_server",
 ) if os.path.exists(os.path.join(os.path.dirname(__file__), "fixtures", p.rsplit(".", 1)[1] + ".py"))]
 
 

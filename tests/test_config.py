@@ -12,7 +12,8 @@ import yaml
 from service.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted(p for p in (ROOT / "examples").rglob("*.yaml") if "simulator" not in p.name)
+EXAMPLES = sorted(p for d in ("examples", "service/demo/configs") for p in (ROOT / d).rglob("*.yaml")
+                  if "simulator" not in p.name)
 
 
 def check_config(path: Path) -> subprocess.CompletedProcess:

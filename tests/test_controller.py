@@ -11,9 +11,10 @@ import pytest
 from aiohttp import web
 
 from service.bus.memory import MemoryBus
-from service.controller import Controller, webhook_payload
 from service.records import OutcomeEvent
-from service.rollout import RolloutBook
+from service.rollout.book import RolloutBook
+from service.rollout.controller import Controller
+from service.rollout.notify import webhook_payload
 from tests.judge_traffic import BAD_TOOLS, make_config, traffic
 
 pytestmark = pytest.mark.anyio

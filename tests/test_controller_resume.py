@@ -18,9 +18,9 @@ import pytest
 
 from service.bus.kafka import KafkaBus, read_topic
 from service.config import KafkaConfig, SpoolConfig
-from service.controller import RolloutHistory
 from service.judge.evidence import RouteEvidence
 from service.records import Agreement, CandidateResult, EvaluationRecord, OutcomeEvent, Repro, RolloutState
+from service.rollout.follower import RolloutHistory
 from tests.fixtures.servers import free_port, proxy_config, write_yaml
 from tests.judge_traffic import evaluation, make_config, outcome
 

@@ -37,7 +37,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 # The embedded shadow workers and controller feed the shadow panels and the decisions.
-NEEDED_MODULES = ("collectors.shadow", "service.controller")
+NEEDED_MODULES = ("collectors.worker", "service.rollout.controller")
 
 pytestmark = [
     pytest.mark.skipif(not Path(PROMETHEUS_BIN).exists(), reason="prometheus not installed (make system-deps)"),

@@ -12,7 +12,7 @@ from service.judge.catalog import alpha_per_comparison, build_catalog, compariso
 from service.judge.decide import WITHIN, WORSE, analysis, decide, evaluate, judge
 from service.judge.evidence import RouteEvidence
 from service.records import LastDecision
-from service.rollout import RolloutBook
+from service.rollout.book import RolloutBook
 from tests.judge_traffic import BAD_TOOLS, GOOD, evaluation, make_config, outcome, traffic
 
 STABLE = {"chat": 0.97, "json": 0.97, "tools": 0.97}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from service.judge import stats
-from service.judge.tests import (
+from service.judge.comparisons import (
     INCONCLUSIVE,
     WITHIN,
     WORSE,

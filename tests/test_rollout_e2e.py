@@ -12,7 +12,7 @@ import urllib.request
 
 import openai
 
-from service import admin_cli
+from service.admin import cli as admin_cli
 from tests.fixtures.servers import SIM_MODEL, proxy_config, sim_config
 
 TOKEN = "e2e-admin-token"

@@ -152,7 +152,7 @@ def test_control_refuses_memory_mode(servers, tmp_path):
     cfg = proxy_config("http://127.0.0.1:9")
     path = write_yaml(tmp_path / "mem.yaml", cfg)
     from service.config import load_config
-    from service.controller import main
+    from service.rollout.controller import main
 
     assert main(load_config(str(path))) == 1
 

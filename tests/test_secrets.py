@@ -61,8 +61,8 @@ def test_admin_token_constant_time_and_audit_log_without_the_token(monkeypatch, 
 
     from starlette.testclient import TestClient
 
-    import service.admin
-    from service.app import create_app
+    import service.admin.api
+    from service.compose import create_app
 
     token = "adm-" + uuid.uuid4().hex
     monkeypatch.setenv("MODELCANARY_ADMIN_TOKEN", token)
@@ -76,7 +76,7 @@ def test_admin_token_constant_time_and_audit_log_without_the_token(monkeypatch, 
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(service.admin.hmac, "compare_digest", spy)
+    monkeypatch.setattr(service.admin.api.hmac, "compare_digest", spy)
     client = TestClient(app)
     caplog.set_level(logging.INFO, logger="modelcanary.audit")
 
@@ -162,8 +162,8 @@ def test_client_keys_map_keys_to_routes(servers, monkeypatch):
 
 def test_redaction_builtins_are_selected_explicitly():
     from service.bus.memory import MemoryBus
-    from service.recorder import Recorder
-    from service.sampler import ShadowSampler
+    from service.proxy.recorder import Recorder
+    from service.proxy.sampler import ShadowSampler
 
     cfg = proxy_config("http://127.0.0.1:9")
     cfg["routes"]["both"] = {"stable": "stable-m", "shadow": {"redact": ["builtin:email", "builtin:phone"]}}

@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from collectors.agreement import agrees, answer_key, canonical_json, normalize_text
 from collectors.evaluators import AgreementEvaluator, JudgeEvaluator, StabilityEvaluator, VerifiersEvaluator
+from collectors.evaluators.answers import agrees, answer_key, canonical_json, normalize_text
 from collectors.evaluators.base import EvalContext, ShadowCall
 from collectors.evaluators.llm_judge import JUDGEMENT_SCHEMA, judge_request, parse_judgement
-from collectors.shadow import shadow_body
-from collectors.shadow_report import ShadowStats, newcombe, quantile_interval, wilson
+from collectors.worker import shadow_body
 from service.config import parse_config
-from service.outcome import COMPLETED, failed
+from service.judge.shadow_report import ShadowStats, newcombe, quantile_interval, wilson
+from service.proxy.outcome import COMPLETED, failed
 from service.records import (
     Agreement,
     CandidateResult,
@@ -290,7 +290,7 @@ def test_shadow_stats_memory_is_bounded():
 def test_report_tables_render():
     from rich.console import Console
 
-    from collectors.shadow_report import failures_table, shadow_table
+    from service.judge.shadow_report import failures_table, shadow_table
 
     stats = ShadowStats()
     for i in range(20):

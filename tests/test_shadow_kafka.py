@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from service.bus.kafka import read_topic
-from service.routing import unit_hash
+from service.proxy.routing import unit_hash
 from tests.fixtures.servers import SIM_MODEL, Process, free_port, metric_value, proxy_config, scrape, write_yaml
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,12 +11,12 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from collectors.shadow import ShadowClient, run_workers
-from collectors.shadow_report import ShadowStats
+from collectors.worker import ShadowClient, run_workers
 from service.bus.memory import MemoryBus
 from service.config import Config, parse_config
+from service.judge.shadow_report import ShadowStats
+from service.proxy.segments import classify_segment
 from service.records import EvaluationRecord, PrimaryResult, TrafficEvent
-from service.segments import classify_segment
 from service.upstream import make_providers
 from tests.fixtures.servers import SIM_MODEL, start_simulator
 

@@ -1,10 +1,10 @@
 """`agreement`: does the candidate's answer agree with the live stable answer, and (the noise
 floor) does the stable model asked again agree with its own live answer? Answers compare by
-normalised text, canonical JSON, or tool name plus canonical arguments (collectors.agreement)."""
+normalised text, canonical JSON, or tool name plus canonical arguments (collectors.evaluators.answers)."""
 
 from __future__ import annotations
 
-from collectors.agreement import answer_key
+from collectors.evaluators.answers import answer_key
 from collectors.evaluators.base import EvalContext
 from service.records import Agreement, EvaluationResult
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.config import Checks, Config, RouteConfig
-from service.outcome import Verdict
+from service.proxy.outcome import Verdict
+from service.proxy.routing import unit_hash
 from service.records import EvaluationResult, TrafficEvent
-from service.routing import unit_hash
 
 
 @dataclass(slots=True)

@@ -13,8 +13,8 @@ import json
 
 from collectors.evaluators.base import EvalContext, sampled
 from service.config import Checks
+from service.proxy.verifiers import fits_schema
 from service.records import EvaluationResult
-from service.verifiers import fits_schema
 
 PASS_SCORE = 0.5
 MAX_PROMPT_CHARS = 24_000

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from collectors.agreement import answer_key
+from collectors.evaluators.answers import answer_key
 from collectors.evaluators.base import EvalContext, sampled
 from service.records import EvaluationResult
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 from service.records import Record
@@ -40,6 +42,12 @@ class EventBus(Protocol):
         """True once every record published before the call is confirmed by the backend (Kafka: the
         broker acknowledged it, or it is in the local spool); False if that takes over `timeout_s` or
         one of them was dropped. Call before committing work whose results were published."""
+
+    async def replay(self, topics: list[Topic], group: str, since_ts: float, handle: Callable[[Record], object],
+                     stop: asyncio.Event | None = None) -> int:
+        """Hand `handle` every record of `topics` that `group` already consumed since `since_ts` (how a
+        restarted consumer rebuilds what it kept in memory); returns how many. A backend that keeps
+        nothing once consumed (memory) hands nothing and returns 0."""
 
     async def close(self) -> None:
         """Flush what can be flushed within a short time, then stop."""

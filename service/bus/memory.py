@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service import metrics
@@ -144,6 +145,10 @@ class MemoryBus:
                 entry[1].remove(sub)
         self._export_lag(sub)
         self._groups = {k: v for k, v in self._groups.items() if v is not sub}
+
+    async def replay(self, topics: list[Topic], group: str, since_ts: float, handle: Callable[[Record], object],
+                     stop: asyncio.Event | None = None) -> int:
+        return 0
 
     async def flush(self, timeout_s: float) -> bool:
         """Records are in the subscribers' queues as soon as `publish` returns: nothing to wait for."""

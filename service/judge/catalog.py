@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from service.config import BUILTIN_SEGMENTS, RouteConfig
-from service.judge.tests import CostRatioTest, JudgeTest, LatencyExceedanceTest, ProportionTest
+from service.judge.comparisons import CostRatioTest, JudgeTest, LatencyExceedanceTest, ProportionTest
 
 # DESIGN §6: the causes blamed on the model.
 MODEL_CAUSES = ("content_filtered", "refusal", "truncated", "empty_output", "invalid_json",

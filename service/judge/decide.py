@@ -16,17 +16,16 @@ import numpy as np
 
 from service.config import RouteConfig
 from service.judge.catalog import MetricSpec, alpha_per_comparison, build_catalog, comparisons_budget
-from service.judge.evidence import RouteEvidence
-from service.judge.tests import (
+from service.judge.comparisons import (
     INCONCLUSIVE,
     VERDICT_NAMES,
     WITHIN,
     WORSE,
     Boundary,
     MixtureBoundary,
-    ProportionTest,
     compare,
 )
+from service.judge.evidence import RouteEvidence
 from service.records import Evidence, LastDecision, RolloutState
 
 HOLD, STEP, PROMOTE, ROLLBACK = 0, 1, 2, 3
@@ -120,10 +119,7 @@ def evaluate(evidence: RouteEvidence, rc: RouteConfig, boundary: Boundary | None
         worse_if = np.repeat([spec.worse_if for spec in specs], n_seg)
         res = compare(specs[0].test, boundary, s_arr, c_arr, alpha_each, bound, worse_if)
         est = res.estimate
-        # A rate that is zero in both arms (a cause that never happened, no client retries) is
-        # trivially within its margin; it is left out of the list rather than reported as a comparison.
-        no_events = (s_arr[..., 1].sum(axis=-1) == 0) & (c_arr[..., 1].sum(axis=-1) == 0) \
-            if isinstance(specs[0].test, ProportionTest) else np.zeros(len(s_arr), dtype=bool)
+        no_events = specs[0].test.no_events(s_arr, c_arr)  # left out rather than reported as a comparison
         for k, (order, spec) in enumerate(members):
             for j, seg in enumerate(evidence.segments):
                 i = k * n_seg + j

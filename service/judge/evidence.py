@@ -31,7 +31,7 @@ import numpy as np
 from service.config import RouteConfig
 from service.judge import stats
 from service.judge.catalog import MODEL_CAUSES, Arm, MetricSpec, route_segments
-from service.judge.tests import LATENCY_EDGES
+from service.judge.comparisons import LATENCY_EDGES
 from service.recent import Recent
 from service.records import EvaluationRecord, OutcomeEvent, RolloutState
 
@@ -330,9 +330,9 @@ def arm_summary(t: ArmAcc) -> dict:
 
 
 def _make_shadow_stats():
-    """collectors.shadow_report.ShadowStats when that module is installed, else None."""
+    """service.judge.shadow_report.ShadowStats when that module is installed, else None."""
     try:
-        from collectors.shadow_report import ShadowStats
+        from service.judge.shadow_report import ShadowStats
     except ImportError:
         return None
     try:

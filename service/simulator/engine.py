@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
-from service.segments import classify_segment, estimate_tokens, message_chars
+from service.proxy.segments import classify_segment, estimate_tokens, message_chars
 from service.simulator.config import FAILURE_KINDS, Effective, SimModel, SimulatorConfig, resolve
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode

@@ -9,5 +9,5 @@ from service.upstream.openai_compatible import OpenAICompatibleProvider
 __all__ = ["Provider", "TransportFailure", "UpstreamReply", "make_providers"]
 
 
-def make_providers(config: Config) -> dict[str, OpenAICompatibleProvider]:
+def make_providers(config: Config) -> dict[str, Provider]:
     return {name: OpenAICompatibleProvider(name, cfg) for name, cfg in config.providers.items()}

@@ -40,6 +40,9 @@ class Provider(Protocol):
     name: str
     max_retries: int
 
+    def auth_header(self, client_auth: str | None) -> str | None:
+        """The Authorization value to send upstream: the provider's own key, else the client's."""
+
     async def send(self, path: str, body: bytes, headers: dict[str, str], stream: bool,
                    method: str = "POST") -> UpstreamReply:
         """One attempt. Raises TransportFailure when no HTTP answer arrives."""

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.outcome import RETRYABLE_STATUS, error_cause
 from service.upstream.base import Provider, TransportFailure, UpstreamReply
+from service.upstream.errors import RETRYABLE_STATUS, error_cause
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0

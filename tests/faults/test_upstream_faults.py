@@ -18,7 +18,7 @@ import aiohttp
 import openai
 import pytest
 
-from service.serve import HEAD_TIMEOUT_S, MAX_HEAD_BYTES
+from service.proxy.server import HEAD_TIMEOUT_S, MAX_HEAD_BYTES
 from service.upstream.retry import RetryBudget
 from tests.faults.fault_proxy import FaultProxy
 from tests.fixtures.servers import SIM_MODEL, metric_value, scrape, start_proxy, start_simulator

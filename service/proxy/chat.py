@@ -12,18 +12,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from service import metrics
-from service.client_retries import RetryDetector
 from service.config import Checks, Config
 from service.errors import error_body, is_openai_error, openai_error
-from service.event_stream import EventStreamResponse
-from service.outcome import COMPLETED, Verdict, classify_chat, classify_other, error_cause, failed
-from service.recorder import Call, Recorder
-from service.rollout import RolloutBook
-from service.routing import pick
-from service.segments import classify_segment
-from service.sse import reassemble
-from service.upstream.base import TransportFailure
-from service.upstream.openai_compatible import OpenAICompatibleProvider
+from service.proxy.outcome import COMPLETED, Verdict, classify_chat, classify_other, failed
+from service.proxy.recorder import Call, Recorder
+from service.proxy.retries import RetryDetector
+from service.proxy.routing import pick
+from service.proxy.segments import classify_segment
+from service.proxy.sse import reassemble
+from service.proxy.streaming import EventStreamResponse
+from service.rollout.book import RolloutBook
+from service.upstream.base import Provider, TransportFailure
+from service.upstream.errors import error_cause
 from service.upstream.retry import RetryBudget, send_with_retries
 
 log = logging.getLogger("modelcanary.proxy")
@@ -44,7 +44,7 @@ class BadRequest(Exception):
 
 
 class Proxy:
-    def __init__(self, config: Config, book: RolloutBook, providers: dict[str, OpenAICompatibleProvider],
+    def __init__(self, config: Config, book: RolloutBook, providers: dict[str, Provider],
                  recorder: Recorder, tracing: object | None = None):
         self.book = book
         self.providers = providers

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.config import Checks
-from service.segments import wants_json
-from service.verifiers import check_json, check_tool_calls, requested_schema
+from service.proxy.segments import wants_json
+from service.proxy.verifiers import check_json, check_tool_calls, requested_schema
+from service.upstream.errors import error_cause
 
 CAUSE_BLAME: dict[str, str] = {
     "timeout": "provider",
@@ -29,11 +30,6 @@ CAUSE_BLAME: dict[str, str] = {
     "proxy_error": "proxy",
 }
 
-# Upstream conditions worth another attempt (DESIGN §5 retry rules).
-RETRYABLE_CAUSES = frozenset({"connection_error", "rate_limited", "provider_5xx"})
-RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
-
-
 @dataclass(frozen=True, slots=True)
 class Verdict:
     outcome: str  # completed | failed
@@ -51,23 +47,6 @@ COMPLETED = Verdict("completed")
 
 def failed(cause: str, detail: str | None = None) -> Verdict:
     return Verdict("failed", cause, CAUSE_BLAME[cause], detail)
-
-
-def error_cause(status: int, body: dict | None) -> str:
-    """Cause of a non-2xx upstream answer, from the status and OpenAI error code."""
-    err = body.get("error") if isinstance(body, dict) else None
-    code = str(err.get("code") or err.get("type") or "") if isinstance(err, dict) else ""
-    if status == 429:
-        return "quota_exceeded" if code in ("insufficient_quota", "quota_exceeded", "billing_hard_limit_reached") else "rate_limited"
-    if status >= 500:
-        return "provider_5xx"
-    if status in (401, 403):
-        return "auth_error"
-    if code == "context_length_exceeded" or "context_length" in code:
-        return "context_length_exceeded"
-    if status == 408:
-        return "timeout"
-    return "bad_request"
 
 
 def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:

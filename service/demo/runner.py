@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import aiohttp
@@ -24,8 +25,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples" / "demo"
+CONFIGS = resources.files("service.demo") / "configs"  # package data: works from an installed wheel
 ROUTE = "support-bot"
 MAX_UNATTENDED_S = 180.0
 TOOLS = [
@@ -276,14 +276,14 @@ def _summary(stats: dict, roll: Roll, elapsed: float, good: bool) -> str:
 
 class DemoStack:
     """Simulator + proxy (embedded shadow workers and controller) as subprocesses on free ports,
-    from the configs in examples/demo/."""
+    from the configs shipped in service/demo/configs/."""
 
     def __init__(self, workdir: Path, good_candidate: bool):
         self.workdir = workdir
         self.sim_port, self.proxy_port = _free_port(), _free_port()
         sim_cfg = workdir / "simulator.yaml"
-        sim_cfg.write_text((EXAMPLES / "simulator.yaml").read_text())
-        cfg = yaml.safe_load((EXAMPLES / "modelcanary.yaml").read_text())
+        sim_cfg.write_text((CONFIGS / "simulator.yaml").read_text())
+        cfg = yaml.safe_load((CONFIGS / "modelcanary.yaml").read_text())
         cfg["server"]["port"] = self.proxy_port
         cfg["providers"]["sim"]["base_url"] = f"http://127.0.0.1:{self.sim_port}/v1"
         cfg["state_dir"] = str(workdir / "state")
@@ -300,9 +300,9 @@ class DemoStack:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.procs = [
             subprocess.Popen(cli + ["simulate", "--config", str(sim_cfg), "--port", str(self.sim_port)],
-                             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True),
+                             stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True),
             subprocess.Popen(cli + ["serve", "--config", str(proxy_cfg), "--port", str(self.proxy_port)],
-                             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True),
+                             stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True),
         ]
         self.url = f"http://127.0.0.1:{self.proxy_port}"
 

@@ -56,6 +56,10 @@ class JudgeTest(Protocol):
         """Arms' sufficient statistics (…, windows, fields) → one Estimate per leading element."""
         ...
 
+    def no_events(self, stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+        """Per leading element: True where the metric never happened in either arm (nothing to judge)."""
+        ...
+
 
 class Boundary(Protocol):
     name: str
@@ -95,6 +99,10 @@ class ProportionTest:
         c = np.asarray(candidate, dtype=float)
         return stats.proportion_difference(s[..., 1], s[..., 0], c[..., 1], c[..., 0])
 
+    def no_events(self, stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+        # A rate that is zero in both arms (a cause that never happened) is trivially within its margin.
+        return (stable[..., 1].sum(axis=-1) == 0) & (candidate[..., 1].sum(axis=-1) == 0)
+
 
 @dataclass(frozen=True)
 class LatencyExceedanceTest:
@@ -108,6 +116,9 @@ class LatencyExceedanceTest:
     def estimate(self, stable: np.ndarray, candidate: np.ndarray) -> Estimate:
         return stats.share_above_reference_quantile(stable, candidate, self.edges, self.q)
 
+    def no_events(self, stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+        return np.zeros(stable.shape[0], dtype=bool)
+
 
 @dataclass(frozen=True)
 class CostRatioTest:
@@ -118,6 +129,9 @@ class CostRatioTest:
 
     def estimate(self, stable: np.ndarray, candidate: np.ndarray) -> Estimate:
         return stats.log_ratio_of_means(stable, candidate)
+
+    def no_events(self, stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+        return np.zeros(stable.shape[0], dtype=bool)
 
 
 # Latency histogram: [0, 1 ms), 240 log bins of ~5.9 % from 1 ms to 1000 s, [1000 s, ∞).

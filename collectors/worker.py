@@ -40,12 +40,13 @@ from collectors.evaluators.base import EvalContext, Evaluator, ShadowCall
 from service import __version__, metrics
 from service.bus import EventBus, Subscription, make_bus
 from service.config import Checks, Config
-from service.outcome import classify_chat, error_cause, failed
+from service.proxy.outcome import classify_chat, failed
+from service.proxy.segments import estimate_tokens, message_chars
 from service.recent import Recent
 from service.records import CandidateResult, EvaluationRecord, EvaluationResult, Repro, TrafficEvent
-from service.segments import estimate_tokens, message_chars
 from service.upstream import make_providers
-from service.upstream.openai_compatible import OpenAICompatibleProvider
+from service.upstream.base import Provider
+from service.upstream.errors import error_cause
 from service.upstream.retry import RetryBudget, send_with_retries
 
 log = logging.getLogger("modelcanary.shadow")
@@ -95,7 +96,7 @@ def shadow_body(request: dict, upstream_model: str) -> dict:
 class ShadowClient:
     """Sends shadow calls through the proxy's providers and retry rules (the evaluators' Caller)."""
 
-    def __init__(self, config: Config, providers: dict[str, OpenAICompatibleProvider], tracing: object | None = None):
+    def __init__(self, config: Config, providers: dict[str, Provider], tracing: object | None = None):
         self.config = config
         self.providers = providers
         self.tracing = tracing if getattr(tracing, "enabled", False) else None
@@ -197,7 +198,7 @@ def end_span(call: ShadowCall, body: dict) -> None:
 class ShadowWorker:
     """One consumer of the traffic topic with up to `collect.concurrency` evaluations in flight."""
 
-    def __init__(self, config: Config, bus: EventBus, providers: dict[str, OpenAICompatibleProvider],
+    def __init__(self, config: Config, bus: EventBus, providers: dict[str, Provider],
                  tracing: object | None = None, evaluators: list[Evaluator] | None = None, group: str = GROUP):
         self.config = config
         self.bus = bus
@@ -215,7 +216,7 @@ class ShadowWorker:
         self.errors = 0
         self._warn_keyless(providers)
 
-    def _warn_keyless(self, providers: dict[str, OpenAICompatibleProvider]) -> None:
+    def _warn_keyless(self, providers: dict[str, Provider]) -> None:
         """Shadow calls never carry a client's key: a provider without `api_key_env` gets none."""
         used = set()
         for rc in self.config.routes.values():
@@ -435,7 +436,7 @@ class ShadowWorker:
                 span.evaluation(result.name, result.score, result.passed, result.detail)
 
 
-async def run_workers(config: Config, bus: EventBus, providers: dict[str, OpenAICompatibleProvider],
+async def run_workers(config: Config, bus: EventBus, providers: dict[str, Provider],
                       tracing: object | None, stop: asyncio.Event) -> None:
     """Shadow workers until `stop` is set (in-process under `serve` in memory mode, or `collect`)."""
     if not any(rc.candidate for rc in config.routes.values()):

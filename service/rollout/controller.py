@@ -21,7 +21,6 @@ import math
 import signal
 import sys
 import time
-import urllib.parse
 from collections.abc import Callable
 
 import aiohttp
@@ -29,9 +28,11 @@ import aiohttp
 from service.bus.base import EventBus
 from service.config import Config
 from service.judge.decide import Judgement, judge
-from service.judge.evidence import RouteEvidence, window_key
-from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutState, dump
-from service.rollout import TERMINAL, RolloutBook, precedence
+from service.judge.evidence import RouteEvidence
+from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutState
+from service.rollout.book import TERMINAL, RolloutBook
+from service.rollout.follower import RolloutHistory, follow_rollouts
+from service.rollout.notify import safe_url, webhook_payload
 
 log = logging.getLogger("modelcanary.controller")
 
@@ -230,9 +231,9 @@ class Controller:
                 self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S))
             async with self._session.post(url, json=payload) as resp:
                 if resp.status >= 300:
-                    log.warning("webhook %s answered %s", _safe_url(url), resp.status)
+                    log.warning("webhook %s answered %s", safe_url(url), resp.status)
         except Exception as e:  # never raised: a notification must not affect a decision
-            log.warning("webhook %s failed: %s", _safe_url(url), type(e).__name__)
+            log.warning("webhook %s failed: %s", safe_url(url), type(e).__name__)
 
     async def _drain_webhooks(self, timeout_s: float = 2.0) -> None:
         if self._tasks:
@@ -252,90 +253,7 @@ def finite(obj):
     return obj
 
 
-def _safe_url(url: str) -> str:
-    """A webhook URL fit for a log line: its path and query often hold the secret (Slack, Teams)."""
-    parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or '?'}{f':{parts.port}' if parts.port else ''}/…"
-
-
-def webhook_payload(new: RolloutState, old: RolloutState) -> dict:
-    d = new.last_decision
-    reasons = list(d.reasons) if d else []
-    step = f" step {new.step_index + 1} ({new.canary_weight * 100:g}%)" if new.phase == "canary" else ""
-    text = f"modelcanary: route {new.route} {old.phase} → {new.phase}{step}"
-    if reasons:
-        text += ": " + reasons[0]
-    state = dump(new)
-    state.pop("report", None)
-    return {
-        "event": "rollout_changed",
-        "route": new.route,
-        "from": old.phase,
-        "to": new.phase,
-        "step_index": new.step_index,
-        "canary_weight": new.canary_weight,
-        "decision": d.decision if d else None,
-        "by": d.by if d else None,
-        "reasons": reasons,
-        "text": text,
-        "state": state,
-    }
-
-
 # ---- `modelcanary control` (Kafka mode) --------------------------------------------------------------
-
-CATCH_UP_FIRST_WAIT_S = 5.0    # how long an empty rollouts topic is waited for
-CATCH_UP_MAX_S = 60.0
-
-
-class RolloutHistory:
-    """Per route, the states that opened evidence windows in its latest rollout (latest stable/candidate
-    pair), in the order a follower adopting the rollouts topic from the start took them up. Reports are
-    not kept (one state per window, so this stays small however long the topic is)."""
-
-    def __init__(self) -> None:
-        self._latest: dict[str, RolloutState] = {}
-        self._windows: dict[str, list[RolloutState]] = {}
-
-    def add(self, state: RolloutState) -> None:
-        current = self._latest.get(state.route)
-        if current is not None and precedence(state) <= precedence(current):
-            return  # a stale state from another replica: nobody adopted it
-        self._latest[state.route] = state
-        opened = self._windows.setdefault(state.route, [])
-        if opened and (opened[-1].stable, opened[-1].candidate) != (state.stable, state.candidate):
-            opened.clear()  # a new rollout
-        if not opened or window_key(opened[-1]) != window_key(state):
-            opened.append(state.model_copy(update={"report": None}))
-
-    def windows(self, route: str) -> list[RolloutState]:
-        return list(self._windows.get(route, ()))
-
-
-async def follow_rollouts(sub, book: RolloutBook, stop: asyncio.Event | None = None, *,
-                          catch_up: bool = False, history: RolloutHistory | None = None) -> int:
-    """Adopt rollout states from the topic. With catch_up=True return once caught up (an empty poll
-    after data, or nothing within CATCH_UP_FIRST_WAIT_S); otherwise follow until `stop`. `history`,
-    when given, sees every state read."""
-    adopted = 0
-    seen = False
-    started = time.monotonic()
-    while stop is None or not stop.is_set():
-        batch = await sub.get_batch(500, 1.0 if catch_up else 0.5)
-        for rec in batch:
-            if not isinstance(rec, RolloutState):
-                continue
-            if history is not None:
-                history.add(rec)
-            if book.adopt(rec):
-                adopted += 1
-        if catch_up:
-            seen = seen or bool(batch)
-            waited = time.monotonic() - started
-            if (seen and not batch) or (not seen and waited >= CATCH_UP_FIRST_WAIT_S) or waited >= CATCH_UP_MAX_S:
-                return adopted
-    return adopted
-
 
 async def _serve_health(config: Config, controller_ref: dict):
     from aiohttp import web
@@ -365,10 +283,8 @@ async def _serve_health(config: Config, controller_ref: dict):
 async def _resume_evidence(controller: Controller, bus: EventBus, history: RolloutHistory,
                            stop: asyncio.Event) -> int:
     """Rebuild the judge's evidence of the current rollouts from what this controller's group consumed."""
-    from service.bus.kafka import KafkaBus
-
     began = controller.resume(history)
-    if began is None or not isinstance(bus, KafkaBus):
+    if began is None:
         return 0
     t0 = time.monotonic()
     n = await bus.replay(["outcomes", "evaluations"], GROUP, began - REPLAY_SKEW_S, controller.ingest, stop)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from service.rollout import Split
+from service.rollout.book import Split
 
 _SCALE = float(1 << 64)
 

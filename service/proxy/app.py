@@ -1,12 +1,15 @@
-"""The proxy service: wires config, bus, rollout book, providers and the HTTP routes."""
+"""The proxy service: wires config, bus, rollout book, providers and the HTTP routes.
+
+In-process shadow workers (memory mode) come in as a `ShadowRunner` from the composition root
+(`service.embedded`), so that this package never imports `collectors`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 import signal
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -16,22 +19,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from collectors.shadow import run_workers
 from service import metrics
-from service.admin import admin_router
+from service.admin.api import admin_router
 from service.bus import EventBus, make_bus
 from service.config import Config, ConfigError, load_config
-from service.controller import Controller, follow_rollouts
 from service.errors import openai_error
-from service.proxy import BadRequest, Proxy
-from service.recorder import Recorder
+from service.proxy.chat import BadRequest, Proxy
+from service.proxy.recorder import Recorder
+from service.proxy.sampler import ShadowSampler
 from service.records import RolloutState
-from service.rollout import RolloutBook
-from service.sampler import ShadowSampler
+from service.rollout.book import RolloutBook
+from service.rollout.controller import Controller
+from service.rollout.follower import follow_rollouts
 from service.tracing import Tracing
-from service.upstream import make_providers
+from service.upstream import Provider, make_providers
 
 log = logging.getLogger("modelcanary")
+
+# (config, bus, providers, tracing, stop) -> runs shadow workers until stop is set
+ShadowRunner = Callable[[Config, EventBus, dict[str, Provider], Tracing, asyncio.Event], Awaitable[None]]
 
 CHAT_REQUEST_SCHEMA = {
     "type": "object",
@@ -94,8 +100,9 @@ def _native_telemetry_on(app: FastAPI) -> bool:
 class Runtime:
     """Everything one proxy process runs."""
 
-    def __init__(self, config: Config, config_path: str | None):
+    def __init__(self, config: Config, config_path: str | None, shadow_workers: ShadowRunner | None = None):
         self.config = config
+        self.shadow_workers = shadow_workers
         self.config_path = config_path
         self.bus: EventBus = make_bus(config.events)
         kafka = config.events.backend == "kafka"
@@ -122,15 +129,17 @@ class Runtime:
         else:
             controller = Controller(self.config, self.bus, self.book, self.config.notify.webhook_url)
             self.tasks.append(asyncio.create_task(controller.run(self.stop), name="controller"))
-            self._start_shadow_workers()
+            if self.shadow_workers is not None:
+                self._start_shadow_workers()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # main thread only
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_on_sighup)
 
     def _start_shadow_workers(self) -> None:
         """In-process shadow workers (memory mode), stopped with `stop` or replaced on reload."""
+        assert self.shadow_workers is not None
         self._shadow_stop = asyncio.Event()
         self._shadow = asyncio.create_task(
-            run_workers(self.config, self.bus, self.providers, self.tracing, self._shadow_stop), name="shadow-workers")
+            self.shadow_workers(self.config, self.bus, self.providers, self.tracing, self._shadow_stop), name="shadow-workers")
 
     async def _restart_shadow_workers(self) -> None:
         self._shadow_stop.set()
@@ -184,8 +193,9 @@ class Runtime:
         return restarted
 
 
-def create_app(config: Config, config_path: str | None = None) -> FastAPI:
-    runtime = Runtime(config, config_path)
+def create_app(config: Config, config_path: str | None = None,
+               shadow_workers: ShadowRunner | None = None) -> FastAPI:
+    runtime = Runtime(config, config_path, shadow_workers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -265,7 +275,7 @@ def create_app(config: Config, config_path: str | None = None) -> FastAPI:
 
 
 async def _feedback(runtime: Runtime, request: Request) -> Response:
-    from service.proxy import BadRequest, _bearer
+    from service.proxy.chat import BadRequest, _bearer
 
     keys = runtime.proxy.client_keys
     allowed: set[str] | None = None
@@ -306,7 +316,3 @@ def _version() -> str:
     return __version__
 
 
-def create_app_from_env() -> FastAPI:
-    """uvicorn factory for `serve --workers N`: the config path comes from MODELCANARY_CONFIG."""
-    path = os.environ["MODELCANARY_CONFIG"]
-    return create_app(load_config(path), path)

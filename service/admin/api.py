@@ -14,10 +14,10 @@ from starlette.responses import JSONResponse, Response
 from service.config import ConfigError
 from service.errors import openai_error
 from service.records import dump
-from service.rollout import ACTIONS, TransitionError
+from service.rollout.book import ACTIONS, TransitionError
 
 if TYPE_CHECKING:
-    from service.app import Runtime
+    from service.proxy.app import Runtime
 
 audit = logging.getLogger("modelcanary.audit")
 

@@ -195,7 +195,7 @@ def report(url: str, token: str | None, route: str, as_json: bool = False) -> in
 
 def _shadow_tables(summary: dict) -> list:
     try:
-        from collectors.shadow_report import failures_table, shadow_table
+        from service.judge.shadow_report import failures_table, shadow_table
     except ImportError:
         return [_generic_table("shadow", summary)]
     try:

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from service import metrics
 from service.bus.base import EventBus
 from service.config import Config, redaction_patterns
-from service.outcome import Verdict
+from service.proxy.outcome import Verdict
+from service.proxy.routing import session_hash
+from service.proxy.sampler import ShadowSampler
+from service.proxy.segments import estimate_tokens, message_chars
 from service.recent import Recent
 from service.records import OutcomeEvent, PrimaryResult, TrafficEvent
-from service.routing import session_hash
-from service.sampler import ShadowSampler
-from service.segments import estimate_tokens, message_chars
 
 FEEDBACK_MEMORY = 100_000
 

@@ -6,7 +6,7 @@ import time
 
 from service import metrics
 from service.config import Config
-from service.routing import unit_hash
+from service.proxy.routing import unit_hash
 
 
 class _Window:

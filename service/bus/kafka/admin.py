@@ -1,0 +1,138 @@
+"""Kafka clients' settings, topics and reachability: what every producer and consumer shares."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+from kafka import KafkaAdminClient
+from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
+
+from service.bus.base import TOPICS, Topic
+
+log = logging.getLogger("modelcanary.bus.kafka")
+
+
+# Keys accepted in `events.kafka.security`, passed to kafka-python as they are.
+# `<key>_env` names an environment variable that holds the value instead (how secrets are given).
+SECURITY_KEYS = frozenset({
+    "security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
+    "sasl_kerberos_name", "sasl_kerberos_service_name", "sasl_kerberos_domain_name",
+    "ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_crlfile", "ssl_password", "ssl_ciphers",
+    "ssl_check_hostname",
+})
+
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
+
+
+def client_security(security: dict | None) -> dict[str, Any]:
+    """kafka-python keyword arguments from `events.kafka.security`. Errors name the key, never a value."""
+    out: dict[str, Any] = {}
+    for key, value in (security or {}).items():
+        if key.endswith("_env") and key[:-4] in SECURITY_KEYS:
+            resolved = os.environ.get(str(value))
+            if resolved is None:
+                raise ValueError(f"events.kafka.security.{key}: environment variable {value!r} is not set")
+            out[key[:-4]] = resolved
+        elif key in SECURITY_KEYS:
+            out[key] = value
+        else:
+            raise ValueError(
+                f"events.kafka.security: unknown key {key!r} "
+                f"(accepted: {', '.join(sorted(SECURITY_KEYS))}, each also as <key>_env naming an environment variable)"
+            )
+    return out
+
+
+_CODEC_PACKAGES = {"gzip": ("has_gzip", "(standard library)"), "snappy": ("has_snappy", "python-snappy"),
+                   "lz4": ("has_lz4", "lz4"), "zstd": ("has_zstd", "zstandard")}
+
+
+def check_compression(compression_type: str | None) -> None:
+    """Fail at start, naming the field, when the codec's library is missing (kafka-python would only
+    fail when the producer is built, and every record would wait in the spool)."""
+    if compression_type is None:
+        return
+    from kafka import codec
+
+    check, package = _CODEC_PACKAGES[compression_type]
+    if not getattr(codec, check)():
+        raise ValueError(f"events.kafka.compression_type: {compression_type!r} needs the Python package "
+                         f"{package!r}, which is not installed (or use gzip)")
+
+
+def topic_names(prefix: str) -> dict[Topic, str]:
+    return {t: f"{prefix}.{t}" for t in TOPICS}
+
+
+def ensure_topics(admin: KafkaAdminClient, names: dict[Topic, str], partitions: int) -> list[str]:
+    """Create the missing topics (rollouts gets one partition: one ordered history). Returns those created."""
+    existing = set(admin.list_topics())
+    missing = {
+        name: {"num_partitions": 1 if t == "rollouts" else partitions, "replication_factor": -1}
+        for t, name in names.items() if name not in existing
+    }
+    if not missing:
+        return []
+    result = admin.create_topics(missing, raise_errors=False)
+    created = []
+    for t in result.get("topics", []):
+        code = t.get("error_code", 0)
+        if code == 0:
+            created.append(t["name"])
+        elif code != 36:  # 36: TOPIC_ALREADY_EXISTS (another replica won the race)
+            raise RuntimeError(f"cannot create topic {t['name']}: {t.get('error_message') or code}")
+    if created:
+        log.info("created topics %s", ", ".join(sorted(created)))
+    return created
+
+
+def build_client(cls: type, **config: Any) -> Any:
+    """A kafka-python KafkaAdminClient, KafkaProducer or KafkaConsumer that leaks nothing when it fails.
+
+    Their constructors make a network client (an epoll fd, a wake-up socket pair, an I/O thread) and
+    then connect; when the connection fails (a broker that is down or answers nothing) they raise
+    without closing it, and nothing can close it later. Every failed reconnect during an outage
+    would leak those. Here the network client is captured as it is made and closed on failure."""
+    base = getattr(cls, "DEFAULT_CONFIG", {}).get("kafka_client")
+    if base is None or "kafka_client" in config:
+        return cls(**config)
+    made: list = []
+
+    def network_client(**kw: Any) -> Any:
+        client = base(**kw)
+        made.append(client)
+        return client
+
+    try:
+        return cls(kafka_client=network_client, **config)
+    except BaseException:
+        for client in made:
+            try:
+                client.close()
+            except Exception as e:
+                log.debug("closing a half-built kafka client: %s", describe(e))
+        raise
+
+
+def broker_reachable(bootstrap_servers: str, timeout_s: float = 0.5) -> bool:
+    """A cheap TCP check before a full Kafka handshake (which retries and logs for seconds)."""
+    for server in bootstrap_servers.split(","):
+        host, _, port = server.strip().rpartition(":")
+        if not host:
+            host, port = server.strip(), "9092"
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def describe(e: BaseException | None) -> str:
+    if e is None:
+        return "no confirmation"
+    text = str(e)
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__

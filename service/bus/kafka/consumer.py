@@ -1,0 +1,389 @@
+"""Consuming: one KafkaConsumer per subscription, polled without pause by its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future as ConcurrentFuture
+from typing import TYPE_CHECKING, Any
+
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndMetadata
+
+from service import metrics
+from service.bus.base import Topic
+from service.bus.kafka.admin import broker_reachable, build_client, describe, ensure_topics
+from service.bus.kafka.internals import topic_id
+from service.records import Record, load
+
+log = logging.getLogger("modelcanary.bus.kafka")
+
+if TYPE_CHECKING:
+    from service.bus.kafka.producer import KafkaBus
+
+_lag_lock = threading.Lock()
+_lag_parts: dict[tuple[str, str], dict[int, int]] = {}
+
+
+def _set_lag(topic: str, group: str, sub_id: int, lag: int | None) -> None:
+    """consumer_lag is the sum over this process's members of a group (each sees its own partitions)."""
+    with _lag_lock:
+        parts = _lag_parts.setdefault((topic, group), {})
+        if lag is None:
+            parts.pop(sub_id, None)
+        else:
+            parts[sub_id] = lag
+        metrics.consumer_lag.labels(topic, group).set(sum(parts.values()))
+
+
+class KafkaSubscription:
+    """One KafkaConsumer, polled without pause by its own thread; records wait in a small buffer.
+
+    Polling all the time (not only inside get_batch) keeps heartbeats and group joins going however
+    slowly the caller works, so `max_poll_interval_ms` is never exceeded by slow work (a shadow worker
+    may hold records for minutes while upstream calls retry; only this thread's own calls, each
+    bounded well below the interval, come between two polls), and a join that completes between two
+    short polls is not lost (kafka-python 3.0 drops such a join and re-joins). The interval is also
+    the rebalance timeout a join waits for, which is why it stays small: joins take ~3 s.
+    When the buffer is full the partitions are paused. `group=None`: every partition from the
+    beginning, no group, no commits.
+    """
+
+    max_poll_records = 50
+    max_poll_interval_ms = 10000
+    session_timeout_ms = 6000
+    heartbeat_interval_ms = 1000
+    poll_timeout_ms = 100
+    metadata_max_age_ms = 5000
+
+    def __init__(self, bus: KafkaBus, topics: list[Topic], group: str | None):
+        self._bus = bus
+        self.topics = topics
+        self.group = group
+        self._names = {bus.names[t]: t for t in topics}
+        self._label = group or "none"
+        self._max_buffer = self.max_poll_records * 4
+        self._buffer: deque[tuple[TopicPartition, int, Record]] = deque()
+        self._lock = threading.Lock()
+        self._returned: dict[TopicPartition, int] = {}  # next offset to commit, per partition
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], ConcurrentFuture]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._arrived: asyncio.Event | None = None
+        self._consumer: KafkaConsumer | None = None
+        self._retry_at = 0.0
+        self._next_lag = 0.0
+        self._next_check = 0.0
+        self.topic_ids: dict[str, object] = {}
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"modelcanary-kafka-consumer-{self._label}")
+        self._thread.start()
+
+    # ---- Subscription -------------------------------------------------------------------------
+
+    async def get_batch(self, max_records: int, timeout_s: float) -> list[Record]:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._arrived is None:
+            self._loop, self._arrived = loop, asyncio.Event()
+        deadline = loop.time() + timeout_s
+        while True:
+            batch = self._take(max_records)
+            remaining = deadline - loop.time()
+            if batch or self._closed or remaining <= 0:
+                return batch
+            self._arrived.clear()
+            if self._buffer:
+                continue
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    async def commit(self) -> None:
+        with self._lock:
+            offsets, self._returned = self._returned, {}
+        if self.group is None or not offsets:
+            return
+        await self._call(lambda: self._commit(offsets))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._notify()  # a get_batch waiting elsewhere returns now
+        await asyncio.to_thread(self._thread.join, 15.0)
+
+    async def assignment(self) -> set[tuple[str, int]]:
+        """The (topic, partition) pairs this member holds now (introspection for tests and status)."""
+        def assigned() -> set[tuple[str, int]]:
+            c = self._consumer
+            return {(self._names[tp.topic], tp.partition) for tp in c.assignment()} if c is not None else set()
+
+        return await self._call(assigned) or set()
+
+    # ---- loop side ----------------------------------------------------------------------------
+
+    def _take(self, max_records: int) -> list[Record]:
+        with self._lock:
+            n = min(max_records, len(self._buffer))
+            out = []
+            for _ in range(n):
+                tp, offset, record = self._buffer.popleft()
+                self._returned[tp] = offset + 1
+                out.append(record)
+            return out
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the consumer thread (KafkaConsumer is not thread-safe)."""
+        fut: ConcurrentFuture = ConcurrentFuture()
+        if self._closed or not self._thread.is_alive():
+            return None
+        self._commands.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def _notify(self) -> None:
+        loop, event = self._loop, self._arrived
+        if loop is None or event is None:
+            return
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # loop closed
+            pass
+
+    # ---- consumer thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands()
+            consumer = self._ensure_consumer()
+            if consumer is None:
+                self._stop.wait(0.2)
+                continue
+            try:
+                self._replacement_check(consumer)
+                self._backpressure(consumer)
+                raw = consumer.poll(timeout_ms=self.poll_timeout_ms, max_records=self.max_poll_records)
+            except Exception as e:
+                log.warning("kafka consumer (%s) failed: %s; reconnecting", self._label, describe(e))
+                self._drop_consumer()
+                self._retry_at = time.monotonic() + 1.0
+                continue
+            if raw:
+                self._buffer_records(raw)
+            self._maybe_export_lag(consumer)
+        self._run_commands()
+        self._drop_consumer()
+        for topic in self.topics:
+            _set_lag(topic, self._label, id(self), None)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+
+    def _buffer_records(self, raw: dict) -> None:
+        decoded = []
+        for tp, messages in raw.items():
+            for m in messages:
+                try:
+                    decoded.append((tp, m.offset, load(json.loads(m.value))))
+                except Exception:
+                    metrics.events_dropped_total.labels(self._names.get(tp.topic, tp.topic), "bad_record").inc()
+                    log.warning("skipped an undecodable record at %s[%d]@%d", tp.topic, tp.partition, m.offset)
+        if decoded:
+            with self._lock:
+                self._buffer.extend(decoded)
+            self._notify()
+
+    def _backpressure(self, consumer: KafkaConsumer) -> None:
+        full = len(self._buffer) >= self._max_buffer
+        paused = consumer.paused()
+        if full:
+            todo = consumer.assignment() - paused
+            if todo:
+                consumer.pause(*todo)
+        elif paused:
+            consumer.resume(*paused)
+
+    def _ensure_consumer(self) -> KafkaConsumer | None:
+        if self._consumer is not None:
+            return self._consumer
+        if time.monotonic() < self._retry_at:
+            return None
+        bus = self._bus
+        if not broker_reachable(bus.kafka.bootstrap_servers):
+            self._retry_at = time.monotonic() + 1.0
+            return None
+        consumer = None
+        try:
+            admin = build_client(KafkaAdminClient, client_id=f"{bus._client_id}-admin", **bus._client_config())
+            try:
+                ensure_topics(admin, bus.names, bus.kafka.partitions)
+            finally:
+                admin.close()
+            config = dict(
+                client_id=f"{bus._client_id}-consumer",
+                auto_offset_reset="earliest",
+                enable_auto_commit=False,
+                allow_auto_create_topics=False,  # topics are created with our partition count, not the broker's
+                max_poll_records=self.max_poll_records,
+                # A broker that came back empty recreates the topics later: fresh metadata within seconds
+                # (not kafka-python's 5 min) lets the group see them and rejoin, and topic ids be compared.
+                metadata_max_age_ms=self.metadata_max_age_ms,
+                **bus._client_config(),
+            )
+            if self.group is not None:
+                config.update(
+                    group_id=self.group,
+                    max_poll_interval_ms=self.max_poll_interval_ms,
+                    session_timeout_ms=self.session_timeout_ms,
+                    heartbeat_interval_ms=self.heartbeat_interval_ms,
+                    request_timeout_ms=max(config["request_timeout_ms"], self.session_timeout_ms + 5000),
+                )
+            consumer = build_client(KafkaConsumer, **config)
+            if self.group is not None:
+                consumer.subscribe(list(self._names), listener=_Revoked(self))
+            else:
+                self._assign_all(consumer)
+        except Exception as e:
+            log.warning("kafka consumer (%s) not ready: %s", self._label, describe(e))
+            if consumer is not None:
+                try:
+                    consumer.close(autocommit=False)
+                except Exception:
+                    pass
+            self._retry_at = time.monotonic() + 1.0
+            return None
+        self._consumer = consumer
+        return consumer
+
+    def _drop_consumer(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        with self._lock:
+            self._buffer.clear()  # not returned yet: they are fetched again from the committed offsets
+        if consumer is not None:
+            try:
+                consumer.close(autocommit=False)
+            except Exception as e:
+                log.debug("consumer close failed: %s", e)
+
+    def _purge(self, revoked: set[TopicPartition]) -> None:
+        """Partitions went to another member: drop what we buffered of them (it gets it from the commit)."""
+        with self._lock:
+            self._buffer = deque(x for x in self._buffer if x[0] not in revoked)
+
+    def _assign_all(self, consumer: KafkaConsumer) -> None:
+        tps = []
+        for name in self._names:
+            parts = consumer.partitions_for_topic(name) or set()
+            tps += [TopicPartition(name, p) for p in sorted(parts)]
+        with self._lock:
+            self._buffer.clear()
+        consumer.assign(tps)
+        if tps:
+            consumer.seek_to_beginning(*tps)
+        self.topic_ids = {name: topic_id(consumer, name) for name in self._names}
+        self._next_check = time.monotonic() + 1.0
+
+    def _replacement_check(self, consumer: KafkaConsumer) -> None:
+        """Once a second: was a topic replaced (a replaced, empty broker: a new topic id, offsets from 0
+        again)? The old positions would skip the new records, so those partitions are read from the
+        beginning; a follower re-reads everything (it must see every record). Detection uses topic ids
+        (brokers >= 2.8); end offsets are not trusted for it (Tansu reports the last batch's base)."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + 1.0
+        assigned = consumer.assignment()
+        replaced: set[str] = set()
+        for name in self._names:
+            tid = topic_id(consumer, name)
+            if tid is None:
+                continue
+            if self.topic_ids.get(name) not in (None, tid):
+                replaced.add(name)
+            self.topic_ids[name] = tid
+        if self.group is None:
+            shape = {tp.topic for tp in assigned} != set(self._names) or any(
+                (parts := consumer.partitions_for_topic(name)) is not None
+                and len(parts) != sum(1 for tp in assigned if tp.topic == name)
+                for name in self._names
+            )
+            if replaced or shape:
+                log.info("follower: %s changed; reading from the beginning", ", ".join(sorted(self._names)))
+                self._assign_all(consumer)
+            return
+        stale = [tp for tp in assigned if tp.topic in replaced]
+        if stale:
+            log.info("consumer group %s: %s was replaced; reading it from the beginning",
+                     self.group, ", ".join(sorted(replaced)))
+            consumer.seek_to_beginning(*stale)
+
+    def _maybe_export_lag(self, consumer: KafkaConsumer) -> None:
+        now = time.monotonic()
+        if now < self._next_lag:
+            return
+        self._next_lag = now + self._bus.lag_interval_s
+        try:
+            assigned = list(consumer.assignment())
+            timeout_ms = int(self._bus._request_timeout_s * 1000)
+            ends = consumer.end_offsets(assigned, timeout_ms=timeout_ms) if assigned else {}
+            lag: dict[str, int] = {t: 0 for t in self.topics}
+            with self._lock:
+                buffered = Counter(tp for tp, _, _ in self._buffer)
+            for tp, end in ends.items():
+                # records buffered here but not yet returned are still behind, for the caller
+                lag[self._names[tp.topic]] += max(0, end - consumer.position(tp, timeout_ms=1000) + buffered[tp])
+        except Exception as e:
+            log.debug("consumer lag unavailable: %s", e)
+            return
+        for topic, n in lag.items():
+            _set_lag(topic, self._label, id(self), n)
+
+    def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            return  # reconnected since: those records come again (at least once)
+        owned = consumer.assignment()
+        mine = {tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items() if tp in owned}
+        if not mine:
+            return
+        try:
+            # bounded well inside max_poll_interval_ms: this thread must get back to polling (a
+            # coordinator that is away would otherwise hold it for the whole request timeout)
+            consumer.commit(mine, timeout_ms=self.max_poll_interval_ms // 2)
+        except Exception as e:
+            log.warning("kafka commit (%s) failed: %s; those records will be delivered again",
+                        self._label, describe(e))
+
+
+class _Revoked(ConsumerRebalanceListener):
+    def __init__(self, sub: KafkaSubscription):
+        self._sub = sub
+
+    def on_partitions_revoked(self, revoked):
+        self._sub._purge(set(revoked))
+
+    def on_partitions_assigned(self, assigned):
+        pass
+

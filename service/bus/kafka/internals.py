@@ -1,0 +1,42 @@
+"""The two places that reach into kafka-python's private attributes, kept apart and checked.
+
+Checked against kafka-python 2.2 and 3.0 (pinned `<3.1` in pyproject); tests/test_internals.py
+fails if these attributes change shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kafka import KafkaConsumer, KafkaProducer
+
+from service.bus.kafka.admin import describe
+
+log = logging.getLogger("modelcanary.bus.kafka")
+
+
+def force_close(producer: KafkaProducer) -> None:
+    """Close a producer now, failing its unconfirmed sends (their errbacks run before this returns).
+
+    kafka-python's `close(timeout=0)` raises from its flush while batches are pending and leaves the
+    I/O thread running, so the sender is force-closed first (a private attribute, guarded)."""
+    sender = getattr(producer, "_sender", None)
+    try:
+        if sender is not None:
+            sender.force_close()
+            sender.join(2.0)
+        producer.close(timeout=0 if sender is not None else 1)
+    except Exception as e:
+        log.debug("producer close: %s", describe(e))
+
+
+def topic_id(consumer: KafkaConsumer, name: str) -> object | None:
+    """The topic's id as the client's cluster metadata knows it (None before kafka-python 2.1):
+    an empty broker that recreated a topic gives it a new id, which is how a consumer notices."""
+    cluster = getattr(getattr(consumer, "_client", None), "cluster", None)
+    getter = getattr(cluster, "topic_id", None)
+    try:
+        return getter(name) if getter else None
+    except Exception:
+        return None
+
