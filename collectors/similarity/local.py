@@ -1,11 +1,12 @@
 """The default embedder (`shadow.similarity.backend: local`): WordLlama static embeddings.
 
 The model is `l2_supercat` at 256 dimensions: a 32,000-token embedding table (16 MB of
-float16, a safetensors file) and its tokenizer, both inside the `wordllama` wheel from PyPI. A
-text's vector is the mean of its tokens' rows, L2-normalised: no neural network runs, so one
-shadow evaluation (three texts) costs about 0.1 ms of CPU, far inside the ~3 ms that 300
-evaluations/s per `collect` process allow. Transformer models (MiniLM-L6 on onnxruntime, int8)
-cost ~10 ms per text on this hardware; see `benchmarks/similarity_backends.py`.
+float16, held as float32: ~52 MiB of RSS) and its tokenizer, both inside the `wordllama` wheel
+from PyPI. A text's vector is the mean of its tokens' rows, L2-normalised: no neural network
+runs, so one shadow evaluation (three ~50-token answers) costs ~0.35 ms of CPU, most of it in the
+tokenizer, far inside the ~3 ms that 300 evaluations/s per `collect` process allow. A
+transformer (MiniLM-L6, int8, on onnxruntime) costs ~10 ms per text on this hardware; see
+`benchmarks/similarity_backends.py`.
 
 We read the two files ourselves, with `tokenizers` and `safetensors`, instead of calling
 `wordllama.WordLlama.load()`:
@@ -17,8 +18,12 @@ The package is never imported: `importlib.util.find_spec` only locates its folde
 paths are why the dependency carries an upper bound (`wordllama>=0.4,<0.5`).
 
 The model is loaded once per process, on first use, under a lock; after that `embed_sync` only
-reads shared state and may run on several threads. `embed` runs it on a worker thread
-(`asyncio.to_thread`) so the event loop of a shadow worker stays free.
+reads shared state and may run on any thread (e.g. `await asyncio.to_thread(e.embed_sync, texts)`).
+`embed` (the Protocol's async method) runs a batch above `offload_chars` characters on a worker
+thread (`asyncio.to_thread`), so the shadow worker's event loop gets turns while a big batch is
+embedded, and a smaller batch on the calling thread: the tokenizer holds the GIL, so a thread
+buys no parallelism, and the hand-off costs ~0.2 ms of CPU, more than embedding one record
+(~0.4 ms for three 250-character answers). 8,192 characters take ~2-3 ms.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ WEIGHTS = f"weights/{CONFIG}_{DIM}.safetensors"
 TOKENIZER = f"tokenizers/{CONFIG}_tokenizer_config.json"
 TENSOR = "embedding.weight"
 MAX_CHARS = 20_000      # a longer answer is embedded by its first 20k characters: bounded CPU per text
+OFFLOAD_CHARS = 8_192   # `embed` runs bigger batches on a thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +85,9 @@ def _load() -> _Model:
         raise EmbeddingError(f"could not read the local embedding model in {root}: {e}") from e
     if TENSOR not in tensors or tensors[TENSOR].ndim != 2:
         raise EmbeddingError(f"{weights} has no 2-D tensor {TENSOR!r}")
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab > tensors[TENSOR].shape[0]:
+        raise EmbeddingError(f"{tokenizer_file} has {vocab} tokens but {weights} only {tensors[TENSOR].shape[0]} rows")
     tokenizer.no_padding()
     tokenizer.no_truncation()
     table = np.ascontiguousarray(tensors[TENSOR], dtype=np.float32)
@@ -106,8 +115,9 @@ class LocalEmbedder:
 
     backend = "local"
 
-    def __init__(self, max_chars: int = MAX_CHARS):
+    def __init__(self, max_chars: int = MAX_CHARS, offload_chars: int = OFFLOAD_CHARS):
         self.max_chars = max_chars
+        self.offload_chars = offload_chars
 
     @property
     def name(self) -> str:
@@ -127,23 +137,21 @@ class LocalEmbedder:
         m = model()
         table, encode = m.table, m.tokenizer.encode  # type: ignore[attr-defined]
         out = np.zeros((len(texts), table.shape[1]), dtype=np.float32)
-        last = table.shape[0] - 1
         for i, text in enumerate(texts):
-            if not text:
-                continue
-            ids = encode(text[: self.max_chars], add_special_tokens=False).ids
-            if not ids:
-                continue
-            rows = np.fromiter(ids, dtype=np.intp, count=len(ids))
-            np.clip(rows, 0, last, out=rows)
-            v = table[rows].sum(axis=0)
-            n = float(np.linalg.norm(v))
-            if n > 0.0:
-                out[i] = v / n
+            if text:
+                ids = encode(text[: self.max_chars], add_special_tokens=False).ids
+                if ids:
+                    out[i] = table[ids].sum(axis=0)
+        norms = np.sqrt(np.einsum("ij,ij->i", out, out))
+        norms[norms == 0.0] = 1.0
+        out /= norms[:, None]
         return out
 
     async def embed(self, texts: list[str]) -> np.ndarray:
-        return await asyncio.to_thread(self.embed_sync, list(texts))
+        texts = list(texts)
+        if sum(min(len(t), self.max_chars) for t in texts) <= self.offload_chars:
+            return self.embed_sync(texts)
+        return await asyncio.to_thread(self.embed_sync, texts)
 
 
 _default: LocalEmbedder | None = None

@@ -12,7 +12,6 @@ EmbeddingError naming the model and URL, never the API key.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from collections.abc import Mapping
 
@@ -95,7 +94,7 @@ class EndpointEmbedder:
                     answer = await r.json(content_type=None)
                 except ValueError as e:
                     raise EmbeddingError(f"{where} answered with invalid JSON: {e}") from e
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise EmbeddingError(f"{where} could not be reached: {type(e).__name__}: {e}") from e
         return self._parse(answer, len(inputs), where)
 
