@@ -1,6 +1,6 @@
 """Shared plumbing for the benchmarks: start and stop the real processes (simulator, proxy,
-LiteLLM, the Tansu broker), drive them with wrk or hey, parse what those print, read a
-process's CPU time and RSS from /proc, and write tables and JSON results.
+LiteLLM, Portkey's gateway, the Tansu broker), drive them with wrk or hey, parse what those
+print, read a process's CPU time and RSS from /proc, and write tables and JSON results.
 
 Everything listens on 127.0.0.1 only; every load run is bounded in time.
 """
@@ -30,6 +30,9 @@ BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "results"
 LITELLM_VENV = Path(os.environ.get("LITELLM_VENV", BENCH / ".litellm-venv"))
 LITELLM_VERSION = "1.108.7"
+PORTKEY_DIR = Path(os.environ.get("PORTKEY_DIR", BENCH / ".portkey"))
+PORTKEY_VERSION = "1.15.2"
+PORTKEY_ENTRY = PORTKEY_DIR / "node_modules" / "@portkey-ai" / "gateway" / "build" / "start-server.js"
 CLI = [sys.executable, "-m", "service.cli"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -302,6 +305,49 @@ def litellm(stack: Stack, upstreams: dict[str, str], name: str = "litellm") -> P
     return stack.start(proc, timeout_s=180)
 
 
+def portkey_available() -> str | None:
+    """None when the pinned Portkey gateway is installed and Node is there, else why not."""
+    if shutil.which("node") is None:
+        return "Portkey's gateway needs Node >= 18, and `node` is not on PATH"
+    if not PORTKEY_ENTRY.exists() or not (PORTKEY_DIR / f".installed-{PORTKEY_VERSION}").exists():
+        return (f"Portkey's gateway {PORTKEY_VERSION} is not installed: run `bash benchmarks/portkey/setup.sh` "
+                f"(creates {PORTKEY_DIR})")
+    return None
+
+
+def ensure_portkey() -> str | None:
+    """Install the pinned Portkey gateway (npm) if missing. None on success, else the reason."""
+    if portkey_available() is None:
+        return None
+    if os.environ.get("BENCH_NO_PORTKEY_INSTALL") or shutil.which("node") is None:
+        return portkey_available()
+    print(f"  installing @portkey-ai/gateway@{PORTKEY_VERSION} into {PORTKEY_DIR} (once) ...", file=sys.stderr)
+    try:
+        r = subprocess.run(["bash", str(BENCH / "portkey" / "setup.sh")], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return "Portkey install (npm ci) did not finish in 900 s"
+    if r.returncode != 0:
+        return "Portkey install failed: " + (r.stderr or r.stdout)[-500:]
+    return portkey_available()
+
+
+def portkey_headers(upstream_url: str) -> dict[str, str]:
+    """What each request to Portkey carries to reach `upstream_url` as an OpenAI-compatible provider."""
+    return {"x-portkey-provider": "openai", "x-portkey-custom-host": upstream_url + "/v1"}
+
+
+def portkey(stack: Stack, name: str = "portkey") -> Proc:
+    """Portkey's open-source gateway (Node, one process), `--headless` (no web UI and no request-log
+    middleware, as it is run in production). It has a `--port=N` flag but no host flag; the preload
+    `benchmarks/portkey/loopback.cjs` binds it to 127.0.0.1. The upstream is chosen per request by
+    the headers of `portkey_headers`."""
+    port = free_port()
+    proc = Proc(name, ["node", "--require", str(BENCH / "portkey" / "loopback.cjs"), str(PORTKEY_ENTRY),
+                       f"--port={port}", "--headless"],
+                stack.tmp / f"{name}.log", ready_url=f"http://127.0.0.1:{port}/", port=port, cwd=PORTKEY_DIR)
+    return stack.start(proc, timeout_s=60)
+
+
 def broker(stack: Stack):
     from tests.fixtures.broker import TansuBroker
 
@@ -317,6 +363,7 @@ wrk.method = "POST"
 wrk.body = [==[%s]==]
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer sk-bench"
+%s
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -330,11 +377,13 @@ end
 
 
 def wrk(url: str, body: dict | bytes, concurrency: int, duration_s: float, threads: int = 1,
-        timeout_s: float = 5.0, tmp: Path | None = None) -> dict:
-    """Closed-loop load with wrk. Latencies in milliseconds; `errors` counts non-2xx and socket errors."""
+        timeout_s: float = 5.0, tmp: Path | None = None, headers: dict[str, str] | None = None) -> dict:
+    """Closed-loop load with wrk. Latencies in milliseconds; `errors` counts non-2xx and socket errors.
+    `headers` are sent with every request, besides Content-Type and Authorization."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     script = Path(tempfile.mkstemp(suffix=".lua", dir=tmp)[1])
-    script.write_text(WRK_SCRIPT % raw.decode())
+    extra = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in (headers or {}).items())
+    script.write_text(WRK_SCRIPT % (raw.decode(), extra))
     try:
         args = ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, round(duration_s))}s",
                 f"--timeout={timeout_s:.0f}s", "-s", str(script), url]
@@ -354,10 +403,12 @@ def wrk(url: str, body: dict | bytes, concurrency: int, duration_s: float, threa
 
 
 def hey(url: str, body: dict | bytes, concurrency: int, duration_s: float | None = None,
-        requests: int | None = None) -> dict:
+        requests: int | None = None, headers: dict[str, str] | None = None) -> dict:
     """Closed-loop load with hey (the alternative to wrk). Latencies in milliseconds."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     args = ["hey", "-c", str(concurrency), "-m", "POST", "-T", "application/json", "-d", raw.decode()]
+    for k, v in (headers or {}).items():
+        args += ["-H", f"{k}: {v}"]
     args += ["-z", f"{max(1, round(duration_s))}s"] if duration_s else ["-n", str(requests or 1000)]
     r = subprocess.run(args + [url], capture_output=True, text=True, timeout=(duration_s or 60) + 60)
     return parse_hey(r.stdout, concurrency)
@@ -379,7 +430,7 @@ def parse_hey(out: str, concurrency: int = 0) -> dict:
 
 def loadgen(url: str, body: dict | bytes, *, rate: float | None = None, duration_s: float = 10.0,
             concurrency: int = 16, requests: int = 10000, vary: bool = False, connections: int = 32,
-            timeout_s: float = 600.0) -> dict:
+            timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> dict:
     """benchmarks/loadgen.py in its own process: open loop at `rate` req/s for `duration_s`, or closed
     loop with `concurrency` connections until `requests` answers. Latencies in milliseconds."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -392,6 +443,8 @@ def loadgen(url: str, body: dict | bytes, *, rate: float | None = None, duration
         limit = timeout_s + 30
     if vary:
         args.append("--vary")
+    for k, v in (headers or {}).items():
+        args += ["--header", f"{k}: {v}"]
     r = subprocess.run(args, capture_output=True, text=True, timeout=limit)
     if r.returncode != 0:
         raise RuntimeError(f"loadgen failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -409,8 +462,8 @@ def post(url: str, body: dict, headers: dict | None = None, timeout_s: float = 3
         return e.code, e.read()
 
 
-def check_ok(url: str, body: dict | None = None) -> None:
-    status, data = post(url, body or CHAT_BODY)
+def check_ok(url: str, body: dict | None = None, headers: dict | None = None) -> None:
+    status, data = post(url, body or CHAT_BODY, headers)
     if status != 200:
         raise RuntimeError(f"{url} answered {status}: {data[:500]!r}")
 

@@ -7,9 +7,13 @@ targets), writes each benchmark's JSON into benchmarks/results/, plus summary.js
     python benchmarks/run_all.py --quick         # a short smoke run (< 3 min)
     python benchmarks/run_all.py --only streaming,rate_sweep
     python benchmarks/run_all.py --no-litellm    # skip the LiteLLM side (no install)
+    python benchmarks/run_all.py --no-portkey    # skip the Portkey side (no install)
+    python benchmarks/run_all.py --rounds 5      # proxy_overhead's targets take turns (a busy machine)
 
 LiteLLM (the peer in the side-by-side runs) is installed on first use into
 benchmarks/.litellm-venv by benchmarks/litellm/setup.sh, pinned, never a project dependency.
+Portkey's gateway (the second peer, in proxy_overhead) likewise into benchmarks/.portkey by
+benchmarks/portkey/setup.sh (npm, needs Node >= 18).
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ BENCHMARKS = ("proxy_overhead", "streaming", "rate_sweep", "shadow_impact", "pip
 EXTERNAL = {"shadow_impact": 900, "judge_quality": 900}   # script → time limit (s)
 
 
-def run_internal(name: str, quick: bool, litellm: bool) -> dict:
+def run_internal(name: str, quick: bool, litellm: bool, portkey: bool = True, rounds: int = 1) -> dict:
     module = __import__(f"benchmarks.{name}", fromlist=["run"])
-    if name in ("proxy_overhead", "streaming", "rate_sweep"):
+    if name == "proxy_overhead":
+        return module.run(quick, litellm, with_portkey=portkey, rounds=rounds)
+    if name in ("streaming", "rate_sweep"):
         return module.run(quick, litellm)
     return module.run(quick)
 
@@ -92,6 +98,17 @@ def headline(results: dict[str, dict]) -> str:
         add("modelcanary max req/s ÷ LiteLLM's", "≥ 15×", thr, (thr or 0) >= 15, "×", 1)
         add("LiteLLM: added p50 c=1 / max req/s", "(peer)", f"{h.fmt(ll.get('added_p50_ms_c1'), 2)} ms / "
             f"{h.fmt(ll.get('max_rps'), 0)} req/s", None)
+    pk = _get(po, "summary/portkey") or {}
+    if mc and pk:
+        lat = h.ratio(pk.get("added_p50_ms_c1"), mc.get("added_p50_ms_c1"))
+        thr = h.ratio(mc.get("max_rps"), pk.get("max_rps"))
+        add("Portkey added p50 c=1 ÷ modelcanary's", "≥ 5×", lat, (lat or 0) >= 5, "×", 1)
+        add("modelcanary max req/s ÷ Portkey's", "≥ 5×", thr, (thr or 0) >= 5, "×", 1)
+        add("Portkey: added p50 c=1 / max req/s", "(peer)", f"{h.fmt(pk.get('added_p50_ms_c1'), 2)} ms / "
+            f"{h.fmt(pk.get('max_rps'), 0)} req/s", None)
+    elif mc and _get(po, "peers/portkey/skipped_because"):
+        add("Portkey (second peer)", "≥ 5× on both", "**not measured**: " + _get(po, "peers/portkey/skipped_because"),
+            None)
     rs = results.get("rate_sweep") or {}
     v = _get(rs, "added_p99_ms/modelcanary/500")
     add("added p99 at 500 req/s (open loop)", "≤ 2 ms", v, v is not None and v <= 2.0, " ms", 3)
@@ -148,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short runs: a smoke test in under 3 minutes")
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (no install)")
+    p.add_argument("--no-portkey", action="store_true", help="skip Portkey's gateway (no install)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="proxy_overhead: the targets take turns, N rounds of 1/N of the time each, medians reported "
+                        "(for a machine whose load moves during the run)")
     args = p.parse_args(argv)
     names = list(BENCHMARKS)
     if args.only:
@@ -159,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     litellm = not args.no_litellm
     m = h.machine()
     command = "python benchmarks/run_all.py" + (" --quick" if args.quick else "") + \
-        (f" --only {args.only}" if args.only else "") + (" --no-litellm" if args.no_litellm else "")
+        (f" --only {args.only}" if args.only else "") + (" --no-litellm" if args.no_litellm else "") + \
+        (" --no-portkey" if args.no_portkey else "") + (f" --rounds {args.rounds}" if args.rounds != 1 else "")
     head = [f"# modelcanary benchmarks ({'quick' if args.quick else 'full'} run)", "",
             f"- machine: {m['nproc']} cores, {m['cpu']}, {m['memory_gib']} GiB; Linux {m['kernel']}; "
             f"Python {m['python']}",
@@ -181,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         print(f"_running {name} …_", file=sys.stderr, flush=True)
         try:
-            out = run_external(name, args.quick) if name in EXTERNAL else run_internal(name, args.quick, litellm)
+            out = run_external(name, args.quick) if name in EXTERNAL else \
+                run_internal(name, args.quick, litellm, not args.no_portkey, args.rounds)
         except Exception as e:
             failed.append(name)
             traceback.print_exc()
