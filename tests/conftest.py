@@ -4,8 +4,9 @@ import pytest
 
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 
-# Fixture modules, one per real component the suite starts.
+# Fixture modules: what a missing component does (require), then one per real component the suite starts.
 pytest_plugins = [p for p in (
+    "tests.fixtures.require",
     "tests.fixtures.servers",
     "tests.fixtures.broker",
     "tests.fixtures.prometheus",
