@@ -50,8 +50,10 @@ test: $(STAMP) system-deps real-llm
 bench: $(STAMP) system-deps
 	$(PY) benchmarks/run_all.py $(ARGS)
 
+# mypy checks the packages and flags of [tool.mypy] in pyproject.toml (strict for proxy, judge and bus)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 dashboards: $(STAMP)
 	$(VENV)/bin/modelcanary dashboards build

@@ -3,14 +3,19 @@
 1. The proxy's added latency at shadow sampling 0 %, 10 % and 100 %, at a fixed moderate rate
    (default 200 req/s) from an open-loop generator in its own process. Latency is measured from
    each request's *scheduled* send time (no coordinated omission). One proxy per sampling rate
-   (memory mode: the shadow workers run inside the proxy process and compete for its core), all
-   against one simulator at time_scale 0, plus the simulator alone as the baseline; the targets
-   take turns in rounds so drift hits them alike. added = proxy percentile - direct percentile.
-   Targets: added p50 at 10 % within +5 % of 0 %, at 100 % within +20 %.
+   (memory mode: the shadow workers, with the similarity of every answer, run in a child process
+   of the proxy, fed by a bounded queue; they share the machine's cores, not the proxy's event
+   loop), all against one simulator at time_scale 0, plus the simulator alone as the baseline;
+   the targets take turns in rounds so drift hits them alike. added = proxy percentile - direct
+   percentile. Targets: added p50 at 10 % within +10 % of 0 % (answer-quality issue; +5 % before
+   similarity), at 100 % within +20 %.
 2. Evaluation records per second one worker process produces with the simulator at time_scale 0
-   (noise floor on: two upstream calls per record): in memory (a process running the worker on a
-   preloaded memory bus), and as `modelcanary collect` over Kafka (Tansu) when the broker is
-   installed. Target >= 1,000/s.
+   (noise floor on: two upstream calls per record, and the similarity of both answers to the live
+   one): in memory (a process running the worker on a preloaded memory bus), with the default
+   similarity backend (`local`) and with `model` (the simulator's /v1/embeddings, one request per
+   record), and as `modelcanary collect` over Kafka (Tansu) when the broker is installed. Target
+   >= 300/s per process with the default backend (the answer-quality issue; >= 1,000/s before
+   similarity).
 
     python benchmarks/shadow_impact.py [--rate 200] [--seconds 8] [--rounds 3] [--records 5000] [--quick]
 
@@ -251,7 +256,7 @@ async def _live_events(config, n: int, concurrency: int = 64) -> list:
     return events
 
 
-async def _memory_worker(sim_url: str, n: int, concurrency: int) -> dict:
+async def _memory_worker(sim_url: str, n: int, concurrency: int, backend: str) -> dict:
     from collectors.worker import run_workers
     from service.bus.memory import MemoryBus
     from service.config import parse_config
@@ -259,6 +264,9 @@ async def _memory_worker(sim_url: str, n: int, concurrency: int) -> dict:
 
     cfg = proxy_config(Path("/tmp"), sim_url, shadow_rate=1.0)
     cfg["collect"] = {"concurrency": concurrency}
+    if backend == "model":
+        cfg["models"]["embed-m"] = {"provider": "sim", "name": "good-model"}
+        cfg["routes"]["support-bot"]["shadow"]["similarity"] = {"backend": "model", "model": "embed-m"}
     config = parse_config(cfg)
     events = await _live_events(config, n)
     bus = MemoryBus(queue_size=max(65536, 2 * n))
@@ -279,17 +287,18 @@ async def _memory_worker(sim_url: str, n: int, concurrency: int) -> dict:
     await task
     for p in providers.values():
         await p.close()
-    return {"mode": "memory bus, in one process", "records": got, "seconds": elapsed, "records_per_s": got / elapsed,
-            "worker_cpu_s": cpu, "worker_cpu_ms_per_record": 1000 * cpu / max(1, got), "concurrency": concurrency}
+    return {"mode": f"memory bus, in one process, similarity backend {backend}", "records": got, "seconds": elapsed,
+            "records_per_s": got / elapsed, "worker_cpu_s": cpu, "worker_cpu_ms_per_record": 1000 * cpu / max(1, got),
+            "concurrency": concurrency, "similarity_backend": backend}
 
 
-def worker_memory(n: int, concurrency: int) -> dict:
+def worker_memory(n: int, concurrency: int, backend: str = "local") -> dict:
     with Stack("shadow-worker") as stack:
         sim = simulator(stack, _sim())
         out = stack.tmp / "worker.json"
         c0 = sim.cpu_s()
-        subprocess.run(SELF + ["_worker", sim.url, str(n), str(concurrency), str(out)], check=True, timeout=600,
-                       cwd=ROOT)
+        subprocess.run(SELF + ["_worker", sim.url, str(n), str(concurrency), backend, str(out)], check=True,
+                       timeout=600, cwd=ROOT)
         result = json.loads(out.read_text())
         result["simulator_cpu_s_incl_live_answers"] = sim.cpu_s() - c0
     return result
@@ -362,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(out).write_text(json.dumps(res))
         return 0
     if args_in and args_in[0] == "_worker":
-        sim_url, n, concurrency, out = args_in[1:5]
+        sim_url, n, concurrency, backend, out = args_in[1:6]
         import uvloop
 
-        res = uvloop.run(_memory_worker(sim_url, int(n), int(concurrency)))
+        res = uvloop.run(_memory_worker(sim_url, int(n), int(concurrency), backend))
         Path(out).write_text(json.dumps(res))
         return 0
 
@@ -392,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part != "latency":
         print(f"worker throughput: {args.records} records, concurrency {args.concurrency}", file=sys.stderr)
         workers.append(worker_memory(args.records, args.concurrency))
+        workers.append(worker_memory(args.records, args.concurrency, backend="model"))
         if not args.no_kafka:
             workers.append(worker_kafka(args.records, args.concurrency))
     load_after = os.getloadavg()
@@ -424,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nload average (1 min) before/after: {load_before[0]:.2f} / {load_after[0]:.2f} on {os.cpu_count()} CPUs")
     path = _write_result("shadow_impact", {"latency": latency, "workers": workers,
                                            "loadavg_1m_before_after": [load_before[0], load_after[0]],
-                                           "targets": {"added_p50_10pct_vs_0pct": 0.05,
+                                           "targets": {"added_p50_10pct_vs_0pct": 0.10,
                                                        "added_p50_100pct_vs_0pct": 0.20,
-                                                       "records_per_s": 1000}})
+                                                       "records_per_s": 300}})
     print(f"\nwrote {path.relative_to(ROOT)}")
     return 0
 

@@ -1,13 +1,16 @@
-"""Soak: mixed traffic for N minutes on the real stack (Kafka mode: `serve`, `collect`, `control`, a
-Tansu broker, the simulator), with a fault injected every 30 s through TCP fault proxies in front of
-the simulator and the broker. Not part of `make test`.
+"""Soak: mixed traffic for N minutes on the real stack (Kafka mode: `serve`, `collect`, two `control`
+processes, a Tansu broker, the simulator), with a fault injected every 30 s through TCP fault proxies
+in front of the simulator and the broker, and a SIGKILL of the leading controller every 2 minutes
+(restarted at once, as Kubernetes would). Not part of `make test`.
 
 Reports errors by cause (proxy metrics and client statuses), RSS and open file descriptors over
-time with a fitted growth trend, client latency with and without a fault, and events in vs out
-(what the proxy produced against what is on the topics once the spool has drained, after
-de-duplication by request id). Prints a table; writes benchmarks/results/soak.json.
+time with a fitted growth trend, client latency with and without a fault, events in vs out (what
+the proxy produced against what is on the topics once the spool has drained, after de-duplication
+by request id), what the controllers judged (outcomes, feedback and evaluations counted in the last
+report, against what is on the topics), how long each failover took, and whether any route and
+version was published twice. Prints a table; writes benchmarks/results/soak.json.
 
-    python benchmarks/soak.py [--minutes 10] [--rate 20] [--fault-every 30]
+    python benchmarks/soak.py [--minutes 10] [--rate 20] [--fault-every 30] [--kill-controller-every 120]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import random
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -90,7 +94,66 @@ def stack_config(tmp: Path, sim_url: str, bootstrap: str) -> dict:
                                                  "partitions": 3},
                    "spool": {"dir": str(tmp / "spool")}},
         "state_dir": str(tmp / "state"),
+        "control": {"report_interval_s": 5},
     }
+
+
+class Controllers:
+    """Two `modelcanary control` processes; `kill_leader()` SIGKILLs the leading one, waits for the
+    other to lead (off the caller's thread) and starts the killed one again."""
+
+    def __init__(self, stack: Stack, cfg: dict):
+        self.stack, self.cfg = stack, cfg
+        self.procs: dict[str, Proc] = {}
+        self.failovers: list[dict] = []
+        self._threads: list[threading.Thread] = []
+
+    def start(self, name: str) -> Proc:
+        port = free_port()
+        cfg = {**self.cfg, "control": {**self.cfg["control"], "metrics_port": port},
+               "events": {**self.cfg["events"], "spool": {"dir": str(self.stack.tmp / f"{name}-spool")}}}
+        path = write_yaml(self.stack.tmp / f"{name}.yaml", cfg)
+        proc = self.procs[name] = self.stack.start(Proc(name, CLI + ["control", "--config", str(path)],
+                                                        self.stack.tmp / f"{name}.log", port=port,
+                                                        ready_url=f"http://127.0.0.1:{port}/healthz"))
+        return proc
+
+    def status(self, name: str) -> str:
+        try:
+            with urllib.request.urlopen(self.procs[name].url + "/readyz", timeout=2) as r:
+                return json.loads(r.read()).get("status", "?")
+        except OSError:
+            return "down"
+
+    def leader(self) -> str | None:
+        return next((n for n in self.procs if self.status(n) == "leading"), None)
+
+    def kill_leader(self, at_s: float) -> None:
+        name = self.leader()
+        if name is None:
+            self.failovers.append({"at_s": round(at_s, 1), "killed": None, "takeover_s": None})
+            return
+        self.procs[name].kill()
+        killed = time.monotonic()
+        other = next(n for n in self.procs if n != name)
+        record = {"at_s": round(at_s, 1), "killed": name, "takeover_s": None}
+        self.failovers.append(record)
+
+        def follow_up() -> None:
+            deadline = killed + 60
+            while time.monotonic() < deadline and self.status(other) != "leading":
+                time.sleep(0.1)
+            if self.status(other) == "leading":
+                record["takeover_s"] = round(time.monotonic() - killed, 1)
+            self.start(name)
+
+        thread = threading.Thread(target=follow_up, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def settle(self) -> None:
+        for thread in self._threads:
+            thread.join(90)
 
 
 class Load:
@@ -189,11 +252,40 @@ def topic_ids(bootstrap: str, topic: str, key=lambda v: v.get("request_id")) -> 
     return len(values), len({key(v) for v in values})
 
 
+def judged_counts(bootstrap: str, deadline: float) -> dict:
+    """Outcomes, feedback and shadow evaluations counted in the latest report, once it stops changing."""
+    last, counts, stable_for = None, {}, 0
+    while time.monotonic() < deadline and stable_for < 3:
+        reports = [m.value for m in read_messages(bootstrap, "soak.reports", timeout_s=30)
+                   if m.value.get("route") == ROUTE]
+        report = max(reports, key=lambda r: r.get("ts", 0))["report"] if reports else {}
+        arms = report.get("live", {}).get("segments", {}).get("overall", {})
+        counts = {"outcomes": sum(a.get("n", 0) for a in arms.values()),
+                  "feedback": sum(a.get("task_success_rate", {}).get("n", 0) for a in arms.values()),
+                  "evaluations": (report.get("judge") or {}).get("step_samples", 0)}
+        stable_for = stable_for + 1 if counts == last else 0
+        last = counts
+        time.sleep(4)
+    return counts
+
+
+def duplicate_versions(bootstrap: str) -> dict:
+    """Rollout states on the topic, and the (route, version) pairs published with two different states."""
+    states = [m.value for m in read_messages(bootstrap, "soak.rollouts", timeout_s=30)]
+    bodies: dict[tuple, set[str]] = {}
+    for state in states:
+        bodies.setdefault((state["route"], state["version"]), set()).add(json.dumps(state, sort_keys=True))
+    return {"states": len(states), "versions": len(bodies), "epochs": sorted({s.get("epoch", 0) for s in states}),
+            "twice": sorted(v for (_, v), b in bodies.items() if len(b) > 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--rate", type=float, default=20.0, help="client requests per second")
     ap.add_argument("--fault-every", type=float, default=30.0)
+    ap.add_argument("--kill-controller-every", type=float, default=120.0,
+                    help="seconds between two SIGKILLs of the leading controller")
     args = ap.parse_args(argv)
     duration = args.minutes * 60
 
@@ -212,20 +304,23 @@ def main(argv: list[str] | None = None) -> int:
         broker.start()
 
         cfg = stack_config(stack.tmp, up.url, bk.address)
-        proxy_port, collect_port, control_port = free_port(), free_port(), free_port()
+        proxy_port, collect_port = free_port(), free_port()
         path = write_yaml(stack.tmp / "proxy.yaml", cfg)
         proxy = stack.start(Proc("proxy", CLI + ["serve", "--config", str(path), "--port", str(proxy_port)],
                                  stack.tmp / "proxy.log", ready_url=f"http://127.0.0.1:{proxy_port}/readyz",
                                  port=proxy_port))
         wcfg = {**cfg, "collect": {"concurrency": 16, "metrics_port": collect_port},
-                "control": {"metrics_port": control_port},
                 "events": {**cfg["events"], "spool": {"dir": str(stack.tmp / "workers-spool")}}}
         wpath = write_yaml(stack.tmp / "workers.yaml", wcfg)
         collect = stack.start(Proc("collect", CLI + ["collect", "--config", str(wpath)], stack.tmp / "collect.log",
                                    ready_url=f"http://127.0.0.1:{collect_port}/healthz"))
-        control = stack.start(Proc("control", CLI + ["control", "--config", str(wpath)], stack.tmp / "control.log",
-                                   ready_url=f"http://127.0.0.1:{control_port}/healthz"))
-        procs = {"proxy": proxy, "collect": collect, "control": control}
+        controllers = Controllers(stack, cfg)
+        for name in ("control-a", "control-b"):
+            controllers.start(name)
+        deadline = time.monotonic() + 60
+        while controllers.leader() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        procs = {"proxy": proxy, "collect": collect}
 
         load = Load(proxy.url, args.rate)
         loader = threading.Thread(target=lambda: asyncio.run(load.run()), daemon=True)
@@ -234,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         samples: list[dict] = []
         windows: list[tuple[float, float, str]] = []  # (start, end, fault) relative to t0
         fault_i, next_fault, active = 0, args.fault_every, None
+        next_kill = args.kill_controller_every
         print(f"soak: {args.minutes:g} min, {args.rate:g} req/s, a fault every {args.fault_every:g} s "
               f"(logs in {stack.tmp})", flush=True)
         next_sample = 0.0
@@ -249,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                 windows.append((active[2], now, active[0]))
                 active = None
                 next_fault += args.fault_every
+            if now >= next_kill:
+                print(f"  {now:6.0f}s fault: SIGKILL of the leading controller ({controllers.leader()})", flush=True)
+                controllers.kill_leader(now)
+                next_kill += args.kill_controller_every
             if now >= next_sample:
                 samples.append({"t": round(now, 1), "fault": active[0] if active else None, "load": loadavg(),
                                 **{f"{n}_rss_mb": round(rss_bytes(p.pid) / 2**20, 1) for n, p in procs.items()},
@@ -260,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             windows.append((active[2], time.monotonic() - t0, active[0]))
         load.stop.set()
         loader.join(60)
+        controllers.settle()
         print("  traffic stopped; waiting for the spool to drain and the workers to catch up", flush=True)
 
         # drain: the proxy's spool empties, then evaluations stop growing
@@ -275,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             stable_for = stable_for + 1 if n == last else 0
             last = n
             time.sleep(3)
+        judged = judged_counts(broker.bootstrap, deadline)
         text = scrape(proxy.url)
         end_samples = {f"{n}_rss_mb": round(rss_bytes(p.pid) / 2**20, 1) for n, p in procs.items()}
 
@@ -302,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         ev_records, ev_distinct = topic_ids(broker.bootstrap, "soak.evaluations")
         events["evaluations"] = {"in": events["traffic"]["distinct_out"], "records_out": ev_records,
                                  "distinct_out": ev_distinct, "dropped": 0}
+        outcomes = [m.value for m in read_messages(broker.bootstrap, "soak.outcomes", timeout_s=30)]
+        on_topic = {"outcomes": len({o["request_id"] for o in outcomes if o.get("kind") == "request"}),
+                    "feedback": len({(o["request_id"], o["ts"]) for o in outcomes if o.get("kind") == "feedback"}),
+                    "evaluations": ev_distinct}
+        decisions = duplicate_versions(broker.bootstrap)
 
         warm = [s for s in samples if s["t"] >= 60] or samples
         memory = {}
@@ -326,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
               "calls": len(load.calls), "client_statuses": dict(statuses), "feedback_sent": load.feedback,
               "failures_by_cause": causes, "events": events, "memory": memory, "latency": lat,
               "faults": [{"start_s": round(a, 1), "end_s": round(b, 1), "fault": n} for a, b, n in windows],
+              "controller_failovers": controllers.failovers, "judged": judged, "on_topic": on_topic,
+              "rollout_states": decisions,
               "samples": samples}
     path = write_result("soak", result)
 
@@ -343,6 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(["window", "ok calls", "p50 ms", "p99 ms"], [[k, v["n"], v["p50_ms"], v["p99_ms"]]
                                                             for k, v in lat.items()]))
+    print()
+    print(table(["judged by the controller", "on the topics", "in the last report"],
+                [[k, on_topic[k], judged.get(k)] for k in ("outcomes", "feedback", "evaluations")]))
+    print()
+    print(table(["controller SIGKILL at s", "killed", "standby led after s"],
+                [[f["at_s"], f["killed"], f["takeover_s"]] for f in controllers.failovers]))
+    print(f"rollout states: {decisions['states']} published, {decisions['versions']} versions, "
+          f"epochs {decisions['epochs']}, versions published twice: {decisions['twice']}")
     print(f"\n{len(load.calls)} calls; results in {path}")
     print(json.dumps({"rss_trend_mb_per_min": {n: m["trend_mb_per_min"] for n, m in memory.items()}}))
     return 0

@@ -10,6 +10,10 @@ Two shapes of stream, each `--streams` times per target, one after the other:
   - paced: a chunk every ~1 ms (200 chunks ≈ 0.2-0.4 s); the gap check uses these;
   - burst: all 200 chunks written back to back; total time then shows the per-chunk cost.
 
+Then the same client against a real server (llama.cpp's, serving SmolLM2-135M; skipped with a note
+when `make real-llm` has not installed it): the time to first byte and to the first chunk, directly
+and through modelcanary.
+
     python benchmarks/streaming.py [--quick] [--no-litellm]
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +47,8 @@ TTFB_TARGET_MS = 0.5
 # next stream starts. Both effects are measured separately: idle (no background load), and back to back.
 PAUSE_S = (0.0, 0.002)
 BACKGROUND_RPS = 200
+REAL_ROUNDS = 3       # real server: rounds of direct, then proxied, streams
+REAL_MAX_TOKENS = 8
 
 
 # ---- the emitter (upstream) -------------------------------------------------------------------
@@ -183,13 +190,17 @@ class _StreamClient(asyncio.Protocol):
             self.done.set_result(time.monotonic_ns())
 
 
-async def _measure(url: str, model: str, streams: int, burst: bool, pause_s: tuple[float, float]) -> dict:
+async def _measure(url: str, model: str, streams: int, burst: bool, pause_s: tuple[float, float],
+                   max_tokens: int | None = None) -> dict:
     parts = url.split("//", 1)[1]
     host, _, port = parts.partition(":")
     loop = asyncio.get_running_loop()
     _, client = await loop.create_connection(_StreamClient, host, int(port))
     prompt = "Count to 200. " + ("BURST" if burst else "PACED")
-    body = json.dumps({"model": model, "stream": True, "messages": [{"role": "user", "content": prompt}]}).encode()
+    fields: dict = {"model": model, "stream": True, "messages": [{"role": "user", "content": prompt}]}
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    body = json.dumps(fields).encode()
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                b"Authorization: Bearer sk-bench\r\nAccept: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
                % (parts.encode(), len(body), body))
@@ -239,10 +250,48 @@ def _background(stack: h.Stack, url: str, seconds: float) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def measure(url: str, model: str, streams: int, burst: bool, pause_s: tuple[float, float] = PAUSE_S) -> dict:
+def measure(url: str, model: str, streams: int, burst: bool, pause_s: tuple[float, float] = PAUSE_S,
+            max_tokens: int | None = None) -> dict:
     import uvloop
 
-    return uvloop.run(_measure(url, model, streams, burst, pause_s))
+    return uvloop.run(_measure(url, model, streams, burst, pause_s, max_tokens))
+
+
+def run_real(streams: int) -> dict:
+    """The same client against a real server, llama.cpp's serving SmolLM2-135M on one thread
+    (service/demo/llama.py), directly and through modelcanary: what the proxy adds to the time to first
+    byte and to the first chunk. Rounds alternate direct and proxied streams, so drift hits both."""
+    from service.demo import llama
+
+    missing = llama.missing_components()
+    if missing:
+        return {"skipped": f"no real server: needs {', '.join(missing)} (`make real-llm`)"}
+    path = llama.smollm2_path()
+    assert path is not None
+    runs: dict[str, list[dict]] = {"direct": [], "modelcanary": []}
+    with h.Stack("streaming-real") as st:
+        server = llama.start(st.tmp / "llama", [llama.model_settings(path, llama.CHAT_ALIAS)])
+        st.callback(server.stop)
+        cfg = h.proxy_config(st.tmp, server.url, candidate=False)
+        cfg["models"]["stable-m"]["name"] = llama.CHAT_ALIAS
+        mc = h.proxy(st, cfg)
+        for _ in range(REAL_ROUNDS):
+            runs["direct"].append(measure(server.url, llama.CHAT_ALIAS, streams, burst=False,
+                                          pause_s=(0.02, 0.05), max_tokens=REAL_MAX_TOKENS))
+            runs["modelcanary"].append(measure(mc.url, "support-bot", streams, burst=False,
+                                               pause_s=(0.02, 0.05), max_tokens=REAL_MAX_TOKENS))
+
+    def p50(name: str, key: str) -> float | None:
+        values = [r[key]["p50"] for r in runs[name] if r[key]]
+        return round(statistics.median(values), 3) if values else None
+
+    out: dict = {"streams": streams * REAL_ROUNDS, "max_tokens": REAL_MAX_TOKENS, "runs": runs,
+                 "errors": sum(r["errors"] for rs in runs.values() for r in rs)}
+    for key in ("ttfb_ms", "first_chunk_ms", "total_ms"):
+        d, m = p50("direct", key), p50("modelcanary", key)
+        out[key] = {"direct_p50": d, "modelcanary_p50": m,
+                    "added_p50": round(m - d, 3) if d is not None and m is not None else None}
+    return out
 
 
 # ---- the benchmark ----------------------------------------------------------------------------
@@ -277,6 +326,7 @@ def run(quick: bool = False, with_litellm: bool = True) -> dict:
             background.wait()
         back_to_back = {name: measure(url, model, side, burst=False, pause_s=(0.0, 0.0))
                         for name, url, model in targets[:2]}
+    real = run_real(side)
     direct = results["direct"]
 
     def added(name: str, shape: str, key: str, q: str = "p50") -> float | None:
@@ -330,8 +380,17 @@ def run(quick: bool = False, with_litellm: bool = True) -> dict:
           "the previous ends, which is when its outcome wakes the embedded controller, whose ~1 ms judge tick runs "
           f"on the proxy's event loop): TTFB p50 {h.fmt(b2b_added.get('ttfb'), 3)} ms added, gap p99 "
           f"{h.fmt(b2b_added.get('gap_p99'), 3)} ms."]
+    if "skipped" in real:
+        md += ["", f"> real server: {real['skipped']}"]
+    else:
+        md += ["", f"**Real server** (llama.cpp's server, SmolLM2-135M on one thread, {real['max_tokens']}-token "
+               f"answers, {real['streams']} streams each way, one at a time):",
+               h.table(["", "direct p50 ms", "through modelcanary p50 ms", "added p50 ms"],
+                       [[label, real[key]["direct_p50"], real[key]["modelcanary_p50"], real[key]["added_p50"]]
+                        for label, key in (("time to first byte", "ttfb_ms"), ("first chunk", "first_chunk_ms"),
+                                           ("whole stream", "total_ms"))], digits=3)]
     md += [f"> {n}" for n in notes]
-    data = {"streams": streams, "chunks": CHUNKS, "pause_s": PAUSE_S, "results": results, "summary": summary,
+    data = {"real_server": real, "streams": streams, "chunks": CHUNKS, "pause_s": PAUSE_S, "results": results, "summary": summary,
             "background_rps": BACKGROUND_RPS, "back_to_back": back_to_back, "back_to_back_added": b2b_added,
             "idle": idle, "idle_added": idle_added, "checks": checks, "notes": notes}
     h.write_result("streaming", data)

@@ -5,8 +5,9 @@ For each TrafficEvent from the `traffic` topic (consumer group `modelcanary-shad
 1. the live request goes to the route's candidate (its upstream `model` name, never streamed),
    with the proxy's retry rules (`send_with_retries`, one RetryBudget per route); with
    `shadow.noise_floor` it goes to the stable model a second time, concurrently;
-2. each answer is classified by the proxy's own code (`classify_chat`, `error_cause`) and
-   priced from the model's `price` and its usage;
+2. each answer is classified by the proxy's own code (the request's API format: Chat
+   Completions, Responses or Anthropic Messages, `service.proxy.formats`) and priced from the
+   model's `price` and its usage; evaluators read every answer as its chat view;
 3. the evaluators (collectors/evaluators) run, and one EvaluationRecord is published to
    `evaluations`; the shadow metrics of DESIGN §7 and, when tracing is on, a span per shadow
    call (linked to the live call's span) record the same.
@@ -35,18 +36,30 @@ from collections import deque
 from collections.abc import Callable
 
 from collectors.evaluators import default_evaluators
-from collectors.evaluators.agreement import compare
+from collectors.evaluators.agreement import measure
 from collectors.evaluators.base import EvalContext, Evaluator, ShadowCall
+from collectors.evaluators.llm_judge import Verdicts, repro_params
+from collectors.similarity import repro as similarity_repro
+from collectors.similarity.configured import RouteEmbedders
+from collectors.spend import OverBudget, SpendCap
 from service import __version__, metrics
 from service.bus import EventBus, Subscription, make_bus
 from service.config import Checks, Config
-from service.proxy.outcome import classify_chat, failed
-from service.proxy.segments import estimate_tokens, message_chars
+from service.proxy.formats import CHAT, ApiFormat, format_of
+from service.proxy.outcome import failed
 from service.recent import Recent
-from service.records import CandidateResult, EvaluationRecord, EvaluationResult, Repro, TrafficEvent
+from service.records import (
+    CandidateResult,
+    EvaluationRecord,
+    EvaluationResult,
+    PairwiseJudgement,
+    Repro,
+    Stability,
+    TrafficEvent,
+)
 from service.upstream import make_providers
 from service.upstream.base import Provider
-from service.upstream.errors import error_cause
+from service.upstream.model_settings import model_body, settings_record
 from service.upstream.retry import RetryBudget, send_with_retries
 
 log = logging.getLogger("modelcanary.shadow")
@@ -58,39 +71,41 @@ DRAIN_TIMEOUT_S = 10.0          # on stop: how long in-flight evaluations may ta
 FLUSH_TIMEOUT_S = 10.0          # how long to wait for the bus to confirm records before a commit
 POLL_TIMEOUT_S = 0.5
 MIN_BATCH = 100
-STREAM_KEYS = ("stream", "stream_options")
 
 
 # ---- upstream calls -------------------------------------------------------------------------------
 
 
-def _tokens(request: dict, response: dict | None) -> tuple[int, int]:
-    """(input, output) tokens: the answer's usage, else an estimate like the proxy's."""
-    usage = response.get("usage") if isinstance(response, dict) else None
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        return usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
-    if response is None:
-        return 0, 0
-    messages = request.get("messages")
-    input_tokens = estimate_tokens(message_chars(messages)) if isinstance(messages, list) else 0
-    chars = 0
-    for choice in response.get("choices") or ():
-        message = choice.get("message") if isinstance(choice, dict) else None
-        if not isinstance(message, dict):
-            continue
-        if isinstance(message.get("content"), str):
-            chars += len(message["content"])
-        for tc in message.get("tool_calls") or ():
-            if isinstance(tc, dict):
-                chars += len((tc.get("function") or {}).get("arguments") or "")
-    return input_tokens, estimate_tokens(chars)
+def shadow_body(request: dict, upstream_model: str, fmt: ApiFormat = CHAT) -> dict:
+    """The live request for another model: its upstream name, never streamed (nor stored upstream)."""
+    return fmt.shadow_body(request, upstream_model)
 
 
-def shadow_body(request: dict, upstream_model: str) -> dict:
-    """The live request for another model: its upstream name, never streamed."""
-    body = {k: v for k, v in request.items() if k not in STREAM_KEYS}
-    body["model"] = upstream_model
-    return body
+class LoopLag:
+    """How late the event loop runs a short timer, summed: the time it spent on other work.
+
+    A shadow call's latency is measured on the worker's loop; when the worker is saturated (a
+    backlog, many evaluations scoring at once) the loop picks up answers late, and the measure is
+    the worker's delay, not the model's. Such a latency is not recorded (None): a call keeps its
+    latency only when the loop was late by at most LAG_TOLERANCE of it (or LAG_FLOOR_S) meanwhile.
+    """
+
+    INTERVAL_S = 0.005
+    LAG_TOLERANCE = 0.1
+    LAG_FLOOR_S = 0.002
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.INTERVAL_S
+            await asyncio.sleep(self.INTERVAL_S)
+            self.total += max(0.0, loop.time() - due)
+
+    def trusted(self, latency_s: float, lag_before: float) -> bool:
+        return self.total - lag_before <= max(self.LAG_FLOOR_S, self.LAG_TOLERANCE * latency_s)
 
 
 class ShadowClient:
@@ -101,18 +116,25 @@ class ShadowClient:
         self.providers = providers
         self.tracing = tracing if getattr(tracing, "enabled", False) else None
         self.budgets: dict[str, RetryBudget] = {}
+        self.spend = SpendCap(config)
+        self.lag = LoopLag()  # measured while a ShadowWorker runs (`ShadowWorker.run`)
 
     async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None,
-                   link_traceparent: str | None = None, finish_span: bool = True) -> ShadowCall:
+                   link_traceparent: str | None = None, finish_span: bool = True, share: str | None = None) -> ShadowCall:
         """One shadow call. With `finish_span=False` the caller ends the span (`end_span`), so that
-        evaluation results can be added to it first."""
+        evaluation results can be added to it first. Raises OverBudget, before calling, when the
+        route's `shadow.max_usd_per_hour` is spent, or the share of it of the candidate `share`
+        (the one whose evaluation this call is for, on a route with several)."""
+        self.spend.check(route, share=share)
         config = self.config
         model = config.models[model_key]
         provider = self.providers[model.provider]
         if checks is None:
             rc = config.routes.get(route)
             checks = rc.checks if rc is not None else Checks()
-        data = json.dumps(shadow_body(body, model.name), separators=(",", ":"), ensure_ascii=False).encode()
+        fmt = self.format_of(model_key, body)
+        asked = model_body(body, model) if fmt is CHAT else body  # the model's own settings, as live calls get them
+        data = json.dumps(shadow_body(asked, model.name, fmt), separators=(",", ":"), ensure_ascii=False).encode()
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         auth = provider.auth_header(None)  # the provider's own key; shadow calls never carry a client's
         if auth:
@@ -135,20 +157,26 @@ class ShadowClient:
             if span is not None:
                 span.retry(retry_no, cause, t0, t1)
 
-        started = time.perf_counter()
-        result = await self._send(provider, data, headers, budget, on_retry, model_key, body, checks)
-        result.latency_s = time.perf_counter() - started
-        result.input_tokens, result.output_tokens = _tokens(body, result.response)
+        started, lag_before = time.perf_counter(), self.lag.total
+        result = await self._send(provider, data, headers, budget, on_retry, model_key, asked, checks, fmt)
+        latency = time.perf_counter() - started
+        result.latency_s = latency if self.lag.trusted(latency, lag_before) else None
         result.cost_usd = model.price.cost(result.input_tokens, result.output_tokens)
+        self.spend.add(route, result.cost_usd, share=share)
         result.span = span
         if finish_span:
             end_span(result, body)
         return result
 
+    def format_of(self, model_key: str, body: dict) -> ApiFormat:
+        """The API format of a recorded request, as the model's provider speaks it."""
+        return format_of(body, self.config.providers[self.config.models[model_key].provider].api)
+
     async def _send(self, provider, data: bytes, headers: dict, budget: RetryBudget, on_retry: Callable,
-                    model_key: str, request: dict, checks: Checks) -> ShadowCall:
+                    model_key: str, request: dict, checks: Checks, fmt: ApiFormat) -> ShadowCall:
+        """The call and its verdict; the answer is kept as its chat view (what the evaluators read)."""
         try:
-            attempt = await send_with_retries(provider, "/chat/completions", data, headers, False, budget,
+            attempt = await send_with_retries(provider, fmt.path, data, headers, False, budget,
                                               on_retry=on_retry,
                                               deadline_s=self.config.providers[provider.name].timeout_s)
         except Exception as e:  # our own bug, not the model's
@@ -164,7 +192,7 @@ class ShadowClient:
                 parsed = json.loads(reply.body)
             except ValueError:
                 parsed = None
-            return ShadowCall(model_key, failed(error_cause(status, parsed if isinstance(parsed, dict) else None)),
+            return ShadowCall(model_key, failed(fmt.error_cause(status, parsed if isinstance(parsed, dict) else None)),
                               status=status, retries=attempt.retries)
         try:
             response = json.loads(reply.body)
@@ -173,10 +201,26 @@ class ShadowClient:
         if not isinstance(response, dict):
             return ShadowCall(model_key, failed("bad_response", "malformed JSON from upstream"), status=status,
                               retries=attempt.retries)
-        verdict = classify_chat(request, response, checks)
+        view = fmt.view(request)
+        verdict = fmt.classify(view, response, checks)
+        usage = fmt.usage(view, response)
         if verdict.cause == "bad_response":
-            return ShadowCall(model_key, verdict, status=status, retries=attempt.retries)
-        return ShadowCall(model_key, verdict, response=response, status=status, retries=attempt.retries)
+            return ShadowCall(model_key, verdict, status=status, retries=attempt.retries,
+                              input_tokens=usage.total_input, output_tokens=usage.output)
+        return ShadowCall(model_key, verdict, response=fmt.chat_view(response), status=status,
+                          retries=attempt.retries, input_tokens=usage.total_input, output_tokens=usage.output)
+
+
+class ShareCaller:
+    """The client as the evaluators of one candidate's record see it: their calls are paid from that
+    candidate's share of the route's shadow budget."""
+
+    def __init__(self, client: ShadowClient, candidate: str):
+        self.client = client
+        self.candidate = candidate
+
+    async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None) -> ShadowCall:
+        return await self.client.call(route, model_key, body, checks, share=self.candidate)
 
 
 def end_span(call: ShadowCall, body: dict) -> None:
@@ -204,6 +248,7 @@ class ShadowWorker:
         self.bus = bus
         self.group = group
         self.client = ShadowClient(config, providers, tracing)
+        self.embedders = RouteEmbedders(config, providers)
         self.evaluators = evaluators if evaluators is not None else default_evaluators()
         self.concurrency = config.collect.concurrency
         self.batch_size = max(self.concurrency, MIN_BATCH)  # records taken per read (fewer round trips)
@@ -220,8 +265,8 @@ class ShadowWorker:
         """Shadow calls never carry a client's key: a provider without `api_key_env` gets none."""
         used = set()
         for rc in self.config.routes.values():
-            if rc.candidate:
-                used.update({rc.candidate, rc.stable})
+            if rc.candidates:
+                used.update({*rc.candidates, rc.stable})
                 if rc.shadow.judge is not None:
                     used.add(rc.shadow.judge.model)
         for name in sorted({self.config.models[m].provider for m in used}):
@@ -231,10 +276,12 @@ class ShadowWorker:
                             "credentials (a client's key is never reused)", name)
 
     # ---- the consume loop ----------------------------------------------------------------------
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> None:  # noqa: C901 - the consume loop's states (take, start, wait, commit, drain) read best together
         """Take traffic in batches, keep up to `concurrency` evaluations in flight, and commit once
         everything taken so far is published: when the worker runs dry, or every COMMIT_INTERVAL_S
         (it then stops taking new records until those in flight are done)."""
+        self.embedders.load()
+        lag = asyncio.create_task(self.client.lag.run(), name="shadow-loop-lag")
         sub = self.bus.subscribe(["traffic"], group=self.group)
         inflight: set[asyncio.Task] = set()
         backlog: deque = deque()  # taken from the bus, not started yet (at most `batch_size`)
@@ -283,7 +330,9 @@ class ShadowWorker:
         finally:
             for task in list(inflight):
                 task.cancel()
+            lag.cancel()
             await sub.close()
+            await self.embedders.aclose()
             log.info("shadow worker stopped: %d evaluated, %d skipped, %d errors",
                      self.evaluated, self.skipped, self.errors)
 
@@ -309,7 +358,8 @@ class ShadowWorker:
 
     # ---- one event -----------------------------------------------------------------------------
     async def handle(self, event: TrafficEvent) -> EvaluationRecord | None:
-        """Evaluate one sampled request and publish its record (None: skipped)."""
+        """Evaluate one sampled request with each of the route's candidates and publish their records;
+        returns the first candidate's (None: skipped, or every candidate over its budget)."""
         rid = event.request_id
         if rid in self.seen or rid in self._working:
             self.skipped += 1
@@ -329,34 +379,56 @@ class ShadowWorker:
                      "differ, give both the same config)", event.config_version, self.config_version)
         self._working.add(rid)
         try:
-            record = await self._evaluate(event)
+            records = await self._evaluate(event)
         finally:
             self._working.discard(rid)
-        self.bus.publish("evaluations", record)
+        if not records:
+            return None
+        for record in records:
+            self.bus.publish("evaluations", record)
         self.seen.add(rid)
         self.evaluated += 1
-        return record
+        return records[0]
 
-    async def _evaluate(self, event: TrafficEvent) -> EvaluationRecord:
+    async def _evaluate(self, event: TrafficEvent) -> list[EvaluationRecord]:
+        """Every candidate of the route on the same request, concurrently; the stable asked again once
+        for all of them (the noise floor of each record). A candidate over its budget has no record."""
         config = self.config
         route = event.route
         rc = config.routes[route]
-        candidate_key = rc.candidate
-        assert candidate_key is not None
         stable_key = event.primary.model if event.primary.model in config.models else rc.stable
-        request = event.request
         again_task = asyncio.ensure_future(
-            self.client.call(route, stable_key, request, link_traceparent=event.traceparent)
+            self.client.call(route, stable_key, event.request, link_traceparent=event.traceparent)
         ) if rc.shadow.noise_floor else None
-        candidate: ShadowCall | None = None
         try:
-            candidate = await self.client.call(route, candidate_key, request, link_traceparent=event.traceparent,
-                                               finish_span=False)
-            stable_again = await again_task if again_task is not None else None
-            return await self._score(event, stable_key, candidate, stable_again)
+            done = await asyncio.gather(*(self._one(event, key, stable_key, again_task) for key in rc.candidates),
+                                        return_exceptions=True)
         finally:
             if again_task is not None and not again_task.done():
                 again_task.cancel()
+        records = [r for r in done if isinstance(r, EvaluationRecord)]
+        errors = [r for r in done if isinstance(r, BaseException) and not isinstance(r, OverBudget)]
+        if errors and not records:
+            raise errors[0]
+        for result in done:
+            if isinstance(result, OverBudget):
+                metrics.shadow_dropped_total.labels(route, "budget").inc()
+            elif isinstance(result, BaseException):  # the other candidates' records still count
+                self.errors += 1
+                metrics.shadow_dropped_total.labels(route, "error").inc()
+                log.error("shadow evaluation of %s failed for one candidate: %r", event.request_id, result)
+        return records
+
+    async def _one(self, event: TrafficEvent, candidate_key: str, stable_key: str,
+                   again_task: asyncio.Future | None) -> EvaluationRecord:
+        request = event.request
+        candidate: ShadowCall | None = None
+        try:
+            candidate = await self.client.call(event.route, candidate_key, request, link_traceparent=event.traceparent,
+                                               finish_span=False, share=candidate_key)
+            stable_again = await asyncio.shield(again_task) if again_task is not None else None
+            return await self._score(event, stable_key, candidate, stable_again)
+        finally:
             if candidate is not None:
                 end_span(candidate, request)  # after the evaluations were added to it
 
@@ -365,13 +437,14 @@ class ShadowWorker:
         config = self.config
         route = event.route
         rc = config.routes[route]
-        candidate_key = rc.candidate
-        assert candidate_key is not None
+        candidate_key = candidate.model
         request = event.request
+        live = self.client.format_of(stable_key, request).chat_view(event.primary.body)
+        caller = ShareCaller(self.client, candidate_key) if len(rc.candidates) > 1 else self.client
         ctx = EvalContext(config=config, route=route, route_cfg=rc, event=event, request=request,
-                          live=event.primary.body, candidate=candidate, stable_again=stable_again,
-                          caller=self.client)
-        agreement = compare(ctx)
+                          live=live, candidate=candidate, stable_again=stable_again,
+                          caller=caller, embedder=self.embedders.for_route(rc))
+        measured = await measure(ctx)
         chosen = [e for e in self.evaluators if e.selected(ctx)]
         evaluations = [await self._run_one(e, ctx) for e in chosen]  # the slow ones (judge, stability) are rare
 
@@ -384,10 +457,13 @@ class ShadowWorker:
                         "traffic_config_version": event.config_version}
         if isinstance(request.get("temperature"), (int, float)):
             params["temperature"] = request["temperature"]
+        if measured.problem is None:
+            params["similarity"] = {**similarity_repro(ctx.embedder), "agree_at": rc.shadow.similarity.agree_at}
         if any(e.name == "stability" for e in chosen):
             params["stability_k"] = rc.shadow.stability.k
         if rc.shadow.judge is not None and any(e.name == "judge" for e in chosen):
-            params["judge_model"] = rc.shadow.judge.model
+            params.update(repro_params(rc.shadow.judge))
+        verdicts: Verdicts | None = ctx.extra.get("judge")
         seed = request.get("seed") if isinstance(request.get("seed"), int) else None
         record = EvaluationRecord(
             request_id=event.request_id, ts=time.time(), route=route, segment=event.segment,
@@ -395,9 +471,13 @@ class ShadowWorker:
             candidate=CandidateResult(outcome=verdict.outcome, cause=verdict.cause, blame=verdict.blame,
                                       latency_s=candidate.latency_s, usage=candidate.usage,
                                       cost_usd=candidate.cost_usd),
-            evaluations=evaluations, agreement=agreement,
+            evaluations=evaluations, agreement=measured.agreement, similarity=measured.similarity.as_dict(),
+            judge=verdicts.record() if verdicts is not None else PairwiseJudgement(),
+            stability=ctx.extra.get("stability") or Stability(),
             repro=Repro(modelcanary_version=__version__, config_version=self.config_version,
-                        evaluator_versions={e.name: e.version for e in chosen}, params=params, seed=seed),
+                        evaluator_versions={e.name: e.version for e in chosen}, params=params, seed=seed,
+                        model_settings={key: settings_record(config.models[key])
+                                        for key in (candidate_key, stable_key)}),
             stable_latency_s=event.primary.latency_s, stable_cost_usd=stable_cost,
         )
         if stable_again is not None:
@@ -405,7 +485,7 @@ class ShadowWorker:
             record.stable_again = CandidateResult(
                 outcome=sv.outcome, cause=sv.cause, blame=sv.blame, latency_s=stable_again.latency_s,
                 usage=stable_again.usage, cost_usd=stable_again.cost_usd)
-        self._observe(route, candidate_key, stable_key, record, candidate)
+        self._observe(route, candidate_key, stable_key, record, candidate, verdicts)
         return record
 
     async def _run_one(self, evaluator: Evaluator, ctx: EvalContext) -> EvaluationResult:
@@ -413,14 +493,27 @@ class ShadowWorker:
             return await evaluator.evaluate(ctx)
         except asyncio.CancelledError:
             raise
+        except OverBudget as e:
+            return EvaluationResult(name=evaluator.name, version=evaluator.version, passed=None, detail=str(e))
         except Exception as e:
             log.exception("evaluator %s failed on %s", evaluator.name, ctx.request_id)
             return EvaluationResult(name=evaluator.name, version=evaluator.version, passed=None,
                                     detail=f"evaluator error: {type(e).__name__}")
 
     def _observe(self, route: str, candidate_key: str, stable_key: str, record: EvaluationRecord,
-                 candidate: ShadowCall) -> None:
+                 candidate: ShadowCall, verdicts: Verdicts | None) -> None:
         metrics.shadow_requests_total.labels(route, candidate_key, record.candidate.outcome).inc()
+        sim = record.similarity
+        if sim.candidate_vs_stable is not None:
+            metrics.shadow_similarity.labels(route, candidate_key, "candidate").observe(sim.candidate_vs_stable)
+        if sim.stable_vs_stable is not None:
+            metrics.shadow_similarity.labels(route, stable_key, "noise_floor").observe(sim.stable_vs_stable)
+        if verdicts is not None:
+            for comparison, model, verdict in (("candidate", candidate_key, verdicts.candidate),
+                                               ("noise_floor", stable_key, verdicts.noise_floor)):
+                if verdict is not None:
+                    result = verdict if verdict in ("win", "tie", "loss") else "error"
+                    metrics.shadow_judge_total.labels(route, model, comparison, result).inc()
         agree = record.agreement
         if agree.candidate_vs_stable is not None:
             metrics.shadow_agreement_total.labels(route, candidate_key, "candidate",

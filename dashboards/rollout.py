@@ -8,6 +8,7 @@ from dashboards.panels import (
     DATASOURCE,
     ROUTE,
     dashboard,
+    or_zero,
     quantile,
     rate_sum,
     ratio,
@@ -125,6 +126,20 @@ def build() -> Dashboard:
         [(rate_sum("decision", "modelcanary_rollout_decisions_total", ROUTE, fn="increase"), "{{decision}}")],
         unit="short", bars=True, stacked=True, width=8,
         description="Decisions per interval (hold is recorded on every evaluation of the judge).",
+    ))
+    d = d.with_panel(table(
+        "Routing table: segment × model serving now",
+        [
+            (rate_sum("segment, model, role", REQ, ROUTE, 'role=~"stable|canary"'), ""),
+            (or_zero(f"max by (segment) ({sel('modelcanary_rollout_segment_weight_ratio', ROUTE)})", "segment"), ""),
+            (or_zero(f"max by (segment, phase) ({sel('modelcanary_rollout_segment_phase', ROUTE)} == 1)", "segment"),
+             ""),
+        ],
+        rename={"A": "requests/s", "B": "segment canary weight", "C": "segment phase"},
+        units={"requests/s": "reqps", "segment canary weight": "percentunit", "segment phase": "none"},
+        description="Which model answers each segment's live traffic now, and at what rate. With rollout.scope "
+                    "segment each segment has its own canary weight and phase (a promoted segment is served by "
+                    "its candidate as role stable); with scope route those columns read segment \"none\".",
     ))
 
     d = d.with_row(row("Capability matrix"))

@@ -9,15 +9,32 @@ import os
 import sys
 import tempfile
 
-from service.config import ConfigError, load_config
+from service.config import Config, ConfigError, load_config
+
+log = logging.getLogger("modelcanary")
 
 
-def _config_or_exit(path: str):
+def _config_or_exit(path: str) -> Config:
+    """The config, with what it names in the environment; else the problems, and exit 1."""
     try:
-        return load_config(path)
+        config = load_config(path)
+        if config.events.backend == "kafka":
+            from service.bus.kafka.admin import client_security
+
+            try:
+                client_security(config.events.kafka.security)  # `<key>_env` variables must be set
+            except ValueError as e:
+                raise ConfigError(path, [str(e)]) from None
+        return config
     except ConfigError as e:
         print(e.explain(), file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def client_key_notes(config: Config) -> list[str]:
+    """One line per provider that forwards each client's own key upstream (said at start, never silent)."""
+    return [f"provider {name} {reason}: each client's own Authorization header is forwarded to it"
+            for name, provider in config.providers.items() if (reason := provider.forwards_client_key())]
 
 
 def _logging(level: str = "INFO") -> None:
@@ -60,6 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "memory mode is one process", file=sys.stderr)
         return 1
     _logging()
+    for note in client_key_notes(config):
+        log.warning(note)
     from service.proxy.server import GuardedHttpToolsProtocol  # httptools with head size and time limits
 
     common = dict(host=host, port=port, log_level="warning", access_log=False, loop="uvloop",
@@ -113,7 +132,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from service.demo.runner import run_demo
 
-    return run_demo(duration=args.duration, good_candidate=args.good_candidate)
+    return run_demo(duration=args.duration, good_candidate=args.good_candidate, real_model=args.real_model,
+                    route_scope=args.route_scope)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -124,9 +144,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             print(f"{problem}", file=sys.stderr)
         print(f"{e.source}: {len(e.problems)} problem(s)", file=sys.stderr)
         return 1
-    routes = ", ".join(f"{name} ({rc.stable}{' → ' + rc.candidate if rc.candidate else ''})"
+    routes = ", ".join(f"{name} ({rc.stable}{' → ' + ', '.join(rc.candidates) if rc.candidates else ''})"
                        for name, rc in config.routes.items())
     print(f"{args.file}: ok — {len(config.providers)} provider(s), {len(config.models)} model(s), routes: {routes}")
+    for note in client_key_notes(config):
+        print(f"note: {note}")
     return 0
 
 
@@ -139,13 +161,31 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_action(args: argparse.Namespace) -> int:
     from service.admin.cli import act
 
-    return act(args.url, args.token, args.route, args.command)
+    return act(args.url, args.token, args.route, args.command, args.segment)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from service.admin.cli import report
 
     return report(args.url, args.token, args.route, args.json)
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    from service.compose import capture
+
+    return capture(args)
+
+
+def cmd_dataset(args: argparse.Namespace) -> int:
+    from service.compose import dataset_stats
+
+    return dataset_stats(args.dataset)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from service.compose import replay
+
+    return replay(args)
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
@@ -183,7 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="everything embedded + simulator + traffic + live view")
     p.add_argument("--duration", type=float, default=None, help="seconds of traffic, then a summary (default: until Ctrl-C)")
-    p.add_argument("--good-candidate", action="store_true", help="a candidate that deserves promotion")
+    p.add_argument("--good-candidate", action="store_true",
+                   help="one rollout for the whole route, of a candidate that deserves promotion")
+    p.add_argument("--route-scope", action="store_true",
+                   help="one rollout for the whole route (rollout.scope: route) of one candidate, instead of "
+                        "each segment its own with two candidates")
+    p.add_argument("--real-model", action="store_true",
+                   help="both arms on a local model (SmolLM2-135M on llama.cpp's server, `make real-llm`); "
+                        "the candidate is a changed system prompt and params")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("check-config", help="validate a config file")
@@ -200,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     for action in ("promote", "pause", "resume", "rollback"):
         p = sub.add_parser(action, help=f"{action} a route's rollout")
         p.add_argument("route")
+        p.add_argument("--segment", help="only this segment's rollout (rollout.scope: segment)")
         p.add_argument("--url", required=True)
         p.add_argument("--token", default=token_default)
         p.set_defaults(func=cmd_action)
@@ -210,6 +258,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=token_default)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("capture", help="write sampled live traffic to a golden set (JSONL)")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True, help="the dataset file to write")
+    p.add_argument("--per-segment", type=int, help="at most N cases per route and segment")
+    p.add_argument("--since", help="unix seconds, ISO 8601, or an age (2h, 7d)")
+    p.add_argument("--until", help="unix seconds, ISO 8601, or an age (2h, 7d)")
+    p.add_argument("--url", help="memory mode: the running proxy (default: the config's server host and port)")
+    p.add_argument("--token", help="memory mode: the admin token (default: the config's admin_token_env)")
+    p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser("dataset", help="golden sets")
+    dsub = p.add_subparsers(dest="dataset_command", required=True)
+    s = dsub.add_parser("stats", help="cases per segment, and how many carry checks")
+    s.add_argument("dataset")
+    p.set_defaults(func=cmd_dataset)
+
+    p = sub.add_parser("replay", help="run a golden set against a candidate offline; exit 1 if something is worse")
+    p.add_argument("dataset")
+    p.add_argument("--candidate", required=True, help="a model key from the config's models")
+    p.add_argument("--stable", help="the model asked again for the noise floor (default: the route's stable)")
+    p.add_argument("--repeats", type=int, help="ask each model k times per case (stability); 1: no stability")
+    p.add_argument("--config", help="providers and models (default: $MODELCANARY_CONFIG)")
+    p.add_argument("--json", action="store_true", help="the full result, with repro, as JSON on stdout")
+    p.add_argument("--against-report", metavar="URL",
+                   help="a proxy's admin URL: compare with the live rollout's report ($MODELCANARY_ADMIN_TOKEN)")
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("dashboards", help="Grafana dashboards")
     dsub = p.add_subparsers(dest="dashboards_command", required=True)

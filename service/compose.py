@@ -1,8 +1,8 @@
 """The composition root: the one module under `service/` that imports `collectors`.
 
-`modelcanary serve` in memory mode runs the proxy, the controller and the shadow workers in one
-process, and `modelcanary collect` runs the workers alone. Everywhere else the parts meet only on
-the event bus.
+`modelcanary serve` in memory mode runs the proxy and the controller in one process and the shadow
+workers in a child process of it (collectors.embedded), and `modelcanary collect` runs the workers
+alone. Everywhere else the parts meet only on the event bus.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import os
 from fastapi import FastAPI
 
 from collectors import worker
+from collectors.embedded import run_in_child
 from service.config import Config, load_config
 from service.proxy import app
 
 
 def create_app(config: Config, config_path: str | None = None) -> FastAPI:
-    return app.create_app(config, config_path, shadow_workers=worker.run_workers)
+    return app.create_app(config, config_path, shadow_workers=run_in_child)
 
 
 def create_app_from_env() -> FastAPI:
@@ -29,3 +30,24 @@ def create_app_from_env() -> FastAPI:
 def collect(config: Config) -> int:
     """`modelcanary collect`: shadow workers of Kafka mode, until SIGTERM."""
     return worker.main(config)
+
+
+def capture(args) -> int:
+    """`modelcanary capture`: sampled live traffic to a golden set."""
+    from collectors.golden.commands import capture as run
+
+    return run(args.config, args.out, args.per_segment, args.since, args.until, args.url, args.token)
+
+
+def dataset_stats(path: str) -> int:
+    """`modelcanary dataset stats DATASET`."""
+    from collectors.golden.commands import dataset_stats as run
+
+    return run(path)
+
+
+def replay(args) -> int:
+    """`modelcanary replay DATASET --candidate KEY`: offline, judged like a shadow rollout."""
+    from collectors.golden.commands import replay as run
+
+    return run(args.dataset, args.candidate, args.stable, args.repeats, args.config, args.json, args.against_report)

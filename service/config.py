@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 BUILTIN_SEGMENTS = ("tools", "json", "long_context", "multi_turn", "chat")
 
@@ -33,6 +33,7 @@ class ServerConfig(Strict):
 
 class ProviderConfig(Strict):
     base_url: str
+    api: Literal["openai", "anthropic"] = "openai"  # the wire format it speaks: OpenAI's, or Anthropic Messages
     api_key_env: str | None = None
     timeout_s: PositiveFloat = 60.0
     connect_timeout_s: PositiveFloat = 5.0
@@ -45,6 +46,15 @@ class ProviderConfig(Strict):
             raise ValueError(f"must be an http(s) URL, got {v!r}")
         return v.rstrip("/")
 
+    def forwards_client_key(self) -> str | None:
+        """Why calls to this provider carry the client's own Authorization header instead of a key of
+        ours (users rely on that), or None when the provider has its key."""
+        if self.api_key_env is None:
+            return "has no api_key_env"
+        if not os.environ.get(self.api_key_env):
+            return f"has api_key_env {self.api_key_env}, which is not set"
+        return None
+
 
 class Price(Strict):
     input_per_mtok: float = Field(0.0, ge=0)
@@ -54,10 +64,33 @@ class Price(Strict):
         return (input_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1e6
 
 
+# Chat Completions request fields a model's `params` may set (OpenAI's API reference). The call's
+# own shape (`model`, `messages`, `stream`, `stream_options`) is the client's, never a setting.
+CHAT_PARAMS = frozenset({
+    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
+    "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format",
+    "safety_identifier", "seed", "service_tier", "stop", "store", "temperature", "tool_choice", "tools",
+    "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
+})
+
+
 class ModelConfig(Strict):
     provider: str
     name: str
     price: Price = Price()
+    # the model's own request settings, so a prompt or sampling change can be a candidate
+    system_prompt: str | None = None   # a system message put before the client's messages
+    params: dict[str, object] = {}     # request fields that override the client's
+
+    @field_validator("params")
+    @classmethod
+    def _chat_params(cls, v: dict[str, object]) -> dict[str, object]:
+        for key in v:
+            if key not in CHAT_PARAMS:
+                raise ValueError(f"{key!r} is not a Chat Completions request field a model can set "
+                                 f"(one of: {', '.join(sorted(CHAT_PARAMS))})")
+        return v
 
 
 class Checks(Strict):
@@ -66,15 +99,37 @@ class Checks(Strict):
 
 
 class StabilityConfig(Strict):
-    sample_rate: Probability = 0.0
+    """`shadow.stability`: on `sample_rate` of the records, candidate and stable are each asked k times."""
+
+    sample_rate: Probability = 0.05
     k: int = Field(3, ge=2, le=10)
 
 
+class SimilarityConfig(Strict):
+    """`shadow.similarity`: how answers are compared (local embeddings, or an embeddings model from
+    `models:`); two answers agree when their similarity is at least `agree_at`."""
+
+    backend: Literal["local", "model"] = "local"
+    model: str | None = None
+    agree_at: Probability = 0.8
+
+    @model_validator(mode="after")
+    def _model_with_its_backend(self) -> SimilarityConfig:
+        if self.backend == "model" and not self.model:
+            raise ValueError("backend 'model' needs `model`: an embeddings model key from `models:`")
+        if self.backend == "local" and self.model is not None:
+            raise ValueError("`model` is only used with backend: model (the local backend has its own model)")
+        return self
+
+
 class JudgeModelConfig(Strict):
+    """`shadow.judge`: an LLM from `models:` compares the candidate's answer with the live stable one."""
+
     model: str
+    mode: Literal["pairwise"] = "pairwise"
     rubric: str = (
-        "Score how well the answer serves the user's request, from 0 (useless or wrong) "
-        "to 1 (fully correct and helpful)."
+        "Prefer the answer that serves the user's request better: correct facts first, then "
+        "completeness, then clarity. Length and style alone are no reason to prefer an answer."
     )
     sample_rate: Probability = 1.0
 
@@ -100,6 +155,7 @@ class ShadowConfig(Strict):
     redact: list[str] = []
     stability: StabilityConfig = StabilityConfig()
     judge: JudgeModelConfig | None = None
+    similarity: SimilarityConfig = SimilarityConfig()
 
     @field_validator("redact")
     @classmethod
@@ -124,6 +180,9 @@ class Margins(Strict):
     latency_p95_exceedance: float = Field(0.05, ge=0)
     cost_per_completion_ratio: float = Field(1.25, ge=1.0)
     agreement_gap: float = Field(0.05, ge=0)
+    similarity_gap: float = Field(0.05, ge=0)
+    judge_preference: float = Field(0.05, ge=0)
+    stability_gap: float = Field(0.05, ge=0)
 
 
 class RolloutConfig(Strict):
@@ -136,6 +195,10 @@ class RolloutConfig(Strict):
     alpha: float = Field(0.01, gt=0, lt=0.5)
     margins: Margins = Margins()
     mode: Literal["auto", "advisory"] = "auto"
+    # route: one phase for the whole route; segment: each segment its own phase, weight and step
+    scope: Literal["route", "segment"] = "route"
+    # which of several candidates that passed shadow in a segment is canaried there
+    select: Literal["first", "cheapest", "best"] = "first"
 
     @field_validator("steps")
     @classmethod
@@ -156,6 +219,9 @@ class RolloutConfig(Strict):
 class RouteConfig(Strict):
     stable: str
     candidate: str | None = None
+    # several candidates (rollout.scope: segment); `candidate: x` is the one-element form, and
+    # after validation `candidate` is the first of `candidates`
+    candidates: list[str] = []
     checks: Checks = Checks()
     shadow: ShadowConfig = ShadowConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -173,14 +239,81 @@ class RouteConfig(Strict):
             raise ValueError("at most 50 task types per route (metric labels stay bounded)")
         return v
 
+    @model_validator(mode="after")
+    def _one_candidate_form(self) -> RouteConfig:
+        """Fill whichever of `candidate` / `candidates` was left out (Config reports conflicts).
+        Set past pydantic's record of given fields, so that Config can tell which form was written."""
+        if self.candidates and self.candidate is None:
+            object.__setattr__(self, "candidate", self.candidates[0])
+        elif self.candidate is not None and not self.candidates:
+            object.__setattr__(self, "candidates", [self.candidate])
+        return self
+
+
+class KafkaSecurity(Strict):
+    """`events.kafka.security`: kafka-python's SASL/TLS settings, passed on under these names.
+    Each `<key>_env` names an environment variable that holds the value instead (how secrets are given)."""
+
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] | None = None
+    sasl_mechanism: str | None = None
+    sasl_plain_username: str | None = None
+    sasl_plain_password: SecretStr | None = None
+    sasl_kerberos_name: str | None = None
+    sasl_kerberos_service_name: str | None = None
+    sasl_kerberos_domain_name: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_crlfile: str | None = None
+    ssl_password: SecretStr | None = None
+    ssl_ciphers: str | None = None
+    ssl_check_hostname: bool | None = None
+    security_protocol_env: str | None = None
+    sasl_mechanism_env: str | None = None
+    sasl_plain_username_env: str | None = None
+    sasl_plain_password_env: str | None = None
+    sasl_kerberos_name_env: str | None = None
+    sasl_kerberos_service_name_env: str | None = None
+    sasl_kerberos_domain_name_env: str | None = None
+    ssl_cafile_env: str | None = None
+    ssl_certfile_env: str | None = None
+    ssl_keyfile_env: str | None = None
+    ssl_crlfile_env: str | None = None
+    ssl_password_env: str | None = None
+    ssl_ciphers_env: str | None = None
+    ssl_check_hostname_env: str | None = None
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The kafka-python settings (the fields that are not `<key>_env`)."""
+        return [k for k in cls.model_fields if not k.endswith("_env")]
+
+    @model_validator(mode="after")
+    def _one_source_each(self) -> KafkaSecurity:
+        both = [k for k in self.keys() if getattr(self, k) is not None and getattr(self, f"{k}_env") is not None]
+        if both:
+            raise ValueError(f"{both[0]} and {both[0]}_env are both set: give the value or the variable, not both")
+        return self
+
+
+class TopicRetention(Strict):
+    """Hours the broker keeps each event topic's records. A controller rebuilds its evidence from the
+    outcomes and evaluations since the rollout began: keep those at least as long as a rollout lasts."""
+
+    outcomes: float | None = Field(None, gt=0)
+    traffic: float | None = Field(None, gt=0)
+    evaluations: float | None = Field(None, gt=0)
+
 
 class KafkaConfig(Strict):
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "modelcanary"
-    security: dict | None = None
+    security: KafkaSecurity | None = None
     partitions: int = Field(6, ge=1)
     linger_ms: int = Field(5, ge=0)
     compression_type: Literal["gzip", "lz4", "snappy", "zstd"] | None = "gzip"
+    # retention.ms of the event topics when the service creates them (null: the broker's default)
+    retention_hours: TopicRetention = TopicRetention()
 
 
 class SpoolConfig(Strict):
@@ -203,6 +336,10 @@ class CollectConfig(Strict):
 class ControlConfig(Strict):
     metrics_port: int = Field(9465, ge=0, le=65535)
     interval_s: float | None = Field(None, gt=0)
+    # the report is published on a decision, else at most this often and only when it changed
+    report_interval_s: float = Field(30.0, gt=0)
+    # feedback that names a request the controller has not seen waits this long for its outcome
+    feedback_hold_s: float = Field(120.0, gt=0)
 
 
 class TracingConfig(Strict):
@@ -227,7 +364,7 @@ class Config(Strict):
     notify: NotifyConfig = NotifyConfig()
 
     @model_validator(mode="after")
-    def _references(self) -> Config:
+    def _references(self) -> Config:  # noqa: C901 - one flat list of cross-reference checks, each naming its field
         problems: list[tuple[tuple, str]] = []
         for name, model in self.models.items():
             if model.provider not in self.providers:
@@ -237,21 +374,56 @@ class Config(Strict):
                 problems.append((("routes", name), "a route and a model cannot share a name"))
             if route.stable not in self.models:
                 problems.append((("routes", name, "stable"), f"unknown model {route.stable!r}"))
-            if route.candidate is not None:
-                if route.candidate not in self.models:
-                    problems.append((("routes", name, "candidate"), f"unknown model {route.candidate!r}"))
-                elif route.candidate == route.stable:
-                    problems.append((("routes", name, "candidate"), "must differ from stable"))
+            problems += _candidate_problems(name, route, self)
             judge = route.shadow.judge
             if judge is not None and judge.model not in self.models:
                 problems.append((("routes", name, "shadow", "judge", "model"), f"unknown model {judge.model!r}"))
+            embeddings = route.shadow.similarity.model
+            if embeddings is not None and embeddings not in self.models:
+                problems.append((("routes", name, "shadow", "similarity", "model"), f"unknown model {embeddings!r}"))
         if problems:
             raise ConfigProblems(problems)
         return self
 
+    def _provider_apis(self, stable: str, candidate: str) -> str | None:
+        """Why a route's stable and candidate can't share it (their providers speak different APIs), or None."""
+        apis = [p.api if (p := self.providers.get(self.models[m].provider)) else None for m in (stable, candidate)]
+        if None in apis or apis[0] == apis[1]:
+            return None
+        return (f"stable {stable!r} is served by an api: {apis[0]} provider and candidate {candidate!r} by an "
+                f"api: {apis[1]} one; a route's models must share one provider api (the proxy does not "
+                "translate between formats)")
+
     def version(self) -> str:
         """A short, stable hash of the effective config (records carry it as config_version)."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:12]
+
+
+def _candidate_problems(name: str, route: RouteConfig, config: Config) -> list[tuple[tuple, str]]:
+    """A route's candidates: known models other than stable, sharing its provider api, each listed once;
+    several only with rollout.scope: segment; rollout.select only among several."""
+    problems: list[tuple[tuple, str]] = []
+    listed = "candidates" in route.model_fields_set
+    if listed and route.candidates and route.candidate != route.candidates[0]:
+        problems.append((("routes", name, "candidate"), "give candidate (one model) or candidates (a list), not both"))
+    for i, key in enumerate(route.candidates):
+        where = ("routes", name, "candidates", i) if listed else ("routes", name, "candidate")
+        if key not in config.models:
+            problems.append((where, f"unknown model {key!r}"))
+        elif key == route.stable:
+            problems.append((where, "must differ from stable"))
+        elif key in route.candidates[:i]:
+            problems.append((where, f"{key!r} is listed twice"))
+        elif route.stable in config.models and (apis := config._provider_apis(route.stable, key)):
+            problems.append((where, apis))
+    rollout = route.rollout
+    if len(route.candidates) > 1 and rollout.scope == "route":
+        problems.append((("routes", name, "candidates"), "several candidates need rollout.scope: segment "
+                         "(each segment canaries the one rollout.select picks among those that passed shadow)"))
+    if rollout.select != "first" and len(route.candidates) < 2:
+        problems.append((("routes", name, "rollout", "select"), "chooses among several candidates; list them "
+                         "in candidates: [a, b]"))
+    return problems
 
 
 class ConfigProblems(ValueError):

@@ -23,10 +23,3 @@ def openai_error(status: int, message: str, code: str | None = None, param: str 
     return Response(error_body(status, message, code, param, type_), status_code=status,
                     media_type="application/json", headers=headers)
 
-
-def is_openai_error(body: bytes) -> bool:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return False
-    return isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]

@@ -7,6 +7,7 @@ With several workers set PROMETHEUS_MULTIPROC_DIR before this module is imported
 from __future__ import annotations
 
 import os
+from typing import Generic, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -22,6 +23,7 @@ from prometheus_client import (
 # OpenTelemetry GenAI advice: 0.01 … 81.92 s, doubling.
 DURATION_BUCKETS = tuple(round(0.01 * 2**i, 2) for i in range(14))
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+SIMILARITY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
 
 requests_total = Counter(
     "modelcanary_requests_total", "Proxied requests by final outcome.",
@@ -48,7 +50,7 @@ client_retries_total = Counter(
     ["route", "model", "role"],
 )
 tokens_total = Counter(
-    "modelcanary_tokens_total", "Tokens by type (input|output).",
+    "modelcanary_tokens_total", "Tokens by type (input|output|cache_read|cache_write).",
     ["route", "model", "role", "type"],
 )
 cost_usd_total = Counter(
@@ -58,6 +60,12 @@ cost_usd_total = Counter(
 feedback_total = Counter(
     "modelcanary_feedback_total", "Task outcomes reported through /v1/feedback.",
     ["route", "model", "role", "outcome"],
+)
+feedback_unmatched_total = Counter(
+    "modelcanary_feedback_unmatched_total",
+    "Feedback that matched no request (unknown or expired id; Kafka mode: none within the hold window). "
+    "route is the client key's one route, else unknown.",
+    ["route"],
 )
 in_flight_requests = Gauge(
     "modelcanary_in_flight_requests", "Requests being served now.", ["route"], multiprocess_mode="livesum",
@@ -72,6 +80,16 @@ shadow_agreement_total = Counter(
     "modelcanary_shadow_agreement_total", "Answer agreement with the live stable answer.",
     ["route", "model", "comparison", "result"],
 )
+shadow_similarity = Histogram(
+    "modelcanary_shadow_similarity", "Similarity (0..1) of a shadow answer to the live stable answer: the "
+    "candidate's (comparison=candidate) and the stable model's asked again (noise_floor).",
+    ["route", "model", "comparison"], buckets=SIMILARITY_BUCKETS,
+)
+shadow_judge_total = Counter(
+    "modelcanary_shadow_judge_total", "Pairwise judge verdicts against the live stable answer, for the "
+    "candidate (comparison=candidate) and the stable asked again (noise_floor).",
+    ["route", "model", "comparison", "result"],
+)
 shadow_evaluations_total = Counter(
     "modelcanary_shadow_evaluations_total", "Evaluator results on shadow answers.",
     ["route", "model", "evaluator", "result"],
@@ -83,6 +101,14 @@ rollout_canary_weight = Gauge(
 rollout_phase = Gauge(
     "modelcanary_rollout_phase", "1 for the route's current phase.", ["route", "phase"],
     multiprocess_mode="mostrecent",
+)
+rollout_segment_weight = Gauge(
+    "modelcanary_rollout_segment_weight_ratio", "Share of a segment's live traffic sent to its candidate "
+    "(rollout.scope: segment).", ["route", "segment"], multiprocess_mode="mostrecent",
+)
+rollout_segment_phase = Gauge(
+    "modelcanary_rollout_segment_phase", "1 for the segment's current phase (rollout.scope: segment).",
+    ["route", "segment", "phase"], multiprocess_mode="mostrecent",
 )
 rollout_decisions_total = Counter(
     "modelcanary_rollout_decisions_total", "Judge decisions.", ["route", "decision"],
@@ -96,15 +122,23 @@ events_dropped_total = Counter(
 events_spooled = Gauge(
     "modelcanary_events_spooled", "Events waiting in the local spool.", ["topic"], multiprocess_mode="livesum",
 )
+controller_leader = Gauge(
+    "modelcanary_controller_leader", "1 on the active controller, 0 on a standby.", ["instance"],
+    multiprocess_mode="mostrecent",
+)
 consumer_lag = Gauge(
     "modelcanary_consumer_lag", "Records behind the end of the topic, per consumer group.",
     ["topic", "group"], multiprocess_mode="livesum",
 )
 
-PHASES = ("shadow", "canary", "promoted", "rolled_back", "paused")
+PHASES = ("shadow", "canary", "promoted", "rolled_back", "paused", "partial")
+SEGMENT_PHASES = PHASES[:-1]
 
 
-class LabelCache:
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class LabelCache(Generic[M]):
     """A metric's labelled children, looked up once per label set.
 
     `metric.labels(...)` validates, converts and locks on every call; on the hot path a dict hit
@@ -114,12 +148,12 @@ class LabelCache:
 
     __slots__ = ("metric", "children", "max_size")
 
-    def __init__(self, metric, max_size: int = 10_000):
+    def __init__(self, metric: M, max_size: int = 10_000):
         self.metric = metric
-        self.children: dict[tuple, object] = {}
+        self.children: dict[tuple[str, ...], M] = {}
         self.max_size = max_size
 
-    def get(self, *labels):
+    def get(self, *labels: str) -> M:
         child = self.children.get(labels)
         if child is None:
             if len(self.children) >= self.max_size:
@@ -141,6 +175,12 @@ def set_rollout(route: str, phase: str, weight: float) -> None:
     rollout_canary_weight.labels(route).set(weight)
     for p in PHASES:
         rollout_phase.labels(route, p).set(1.0 if p == phase else 0.0)
+
+
+def set_segment_rollout(route: str, segment: str, phase: str, weight: float) -> None:
+    rollout_segment_weight.labels(route, segment).set(weight)
+    for p in SEGMENT_PHASES:
+        rollout_segment_phase.labels(route, segment, p).set(1.0 if p == phase else 0.0)
 
 
 def exposition() -> tuple[bytes, str]:

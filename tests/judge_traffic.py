@@ -40,7 +40,8 @@ def outcome(role: str, segment: str, ok: bool, *, ts: float | None = None, cause
 
 def evaluation(segment: str, ok: bool, *, agree: bool = True, floor: bool = True, ts: float | None = None,
                cause: str = "invalid_tool_call", latency: float = 0.3, stable_latency: float = 0.3,
-               cost: float = 0.001, route: str = "bot") -> EvaluationRecord:
+               cost: float = 0.001, route: str = "bot", again_ok: bool | None = True) -> EvaluationRecord:
+    """A shadow record; `again_ok` is the stable asked again on the same request (None: not asked)."""
     return EvaluationRecord(
         request_id=f"e{next(_ids)}", ts=time.time() if ts is None else ts, route=route, segment=segment,
         stable_model="stable-m", candidate_model="candidate-m",
@@ -49,6 +50,9 @@ def evaluation(segment: str, ok: bool, *, agree: bool = True, floor: bool = True
         agreement=Agreement(candidate_vs_stable=agree if ok else None, stable_vs_stable=floor),
         repro=Repro(modelcanary_version="test", config_version="test"),
         stable_latency_s=stable_latency, stable_cost_usd=0.001,
+        stable_again=None if again_ok is None else CandidateResult(
+            outcome="completed" if again_ok else "failed", cause=None if again_ok else cause,
+            blame=None if again_ok else "model", latency_s=stable_latency, cost_usd=0.001),
     )
 
 
@@ -70,7 +74,8 @@ def traffic(n: int, weight: float, p_stable: dict[str, float], p_cand: dict[str,
         if ok and rng.random() < shadow_rate:
             c_ok = rng.random() < p_cand[seg]
             out.append(evaluation(seg, c_ok, agree=rng.random() < 0.93, floor=rng.random() < 0.95, ts=ts,
-                                  latency=rng.lognormvariate(-1.2, 0.5) * latency_scale, stable_latency=lat))
+                                  latency=rng.lognormvariate(-1.2, 0.5) * latency_scale, stable_latency=lat,
+                                  again_ok=rng.random() < p_stable[seg]))
     return out
 
 

@@ -61,7 +61,7 @@ def chat(body: dict | bytes, **kw) -> bytes:
 MSG = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize(("raw", "status", "param", "needle"), [
+REFUSED = [
     (b'{"model": "support-bot", "messages": [', 400, None, "not valid JSON"),
     (b"", 400, None, "empty"),
     (b"[1, 2]", 400, None, "JSON object"),
@@ -77,7 +77,10 @@ MSG = [{"role": "user", "content": "hi"}]
     (b'{"model": "support-bot", "messages": [], "stream": "yes"}', 400, "stream", None),
     (b'{"model": "no-such-route", "messages": []}', 404, "model", "does not exist"),
     (b'{"model": "' + b"x" * 100_000 + b'", "messages": []}', 404, "model", None),
-], ids=["truncated", "empty", "array", "string", "deep", "bad-utf8", "bom", "model-int", "model-null",
+]
+
+
+@pytest.mark.parametrize(("raw", "status", "param", "needle"), REFUSED, ids=["truncated", "empty", "array", "string", "deep", "bad-utf8", "bom", "model-int", "model-null",
         "model-missing", "messages-string", "messages-missing", "stream-string", "unknown-route", "huge-model-name"])
 def test_refused_with_openai_shaped_4xx(stack, raw, status, param, needle):
     proxy, _ = stack
@@ -91,13 +94,18 @@ def test_refused_with_openai_shaped_4xx(stack, raw, status, param, needle):
     assert elapsed < 2
 
 
+WRONG_TYPES = [
+    {"model": ROUTE, "messages": [1, 2, 3]},
+    {"model": ROUTE, "messages": [{"role": 7, "content": {"a": 1}}]},
+    {"model": ROUTE, "messages": MSG, "temperature": "hot", "max_tokens": -5},
+    {"model": ROUTE, "messages": MSG, "tools": "not a list", "response_format": 3},
+    {"model": ROUTE, "messages": MSG, "user": {"nested": True}, "n": 10**30},
+]
+
+
 def test_wrong_types_inside_messages_never_5xx(stack):
     proxy, _ = stack
-    for body in ({"model": ROUTE, "messages": [1, 2, 3]},
-                 {"model": ROUTE, "messages": [{"role": 7, "content": {"a": 1}}]},
-                 {"model": ROUTE, "messages": MSG, "temperature": "hot", "max_tokens": -5},
-                 {"model": ROUTE, "messages": MSG, "tools": "not a list", "response_format": 3},
-                 {"model": ROUTE, "messages": MSG, "user": {"nested": True}, "n": 10**30}):
+    for body in WRONG_TYPES:
         status, raw, _ = request(proxy, "POST", "/v1/chat/completions", chat(body))
         assert status < 500, (body, raw[:300])
         if status >= 400:
@@ -190,8 +198,15 @@ def test_unknown_routes_methods_and_malformed_http(stack):
 
 
 def test_proxy_is_healthy_after_all_of_it(stack):
+    """Run alone too: the bad input goes in again here, then a good request is served and counted."""
     proxy, _ = stack
+    for raw, *_ in REFUSED:
+        assert request(proxy, "POST", "/v1/chat/completions", raw)[0] < 500
+    for body in WRONG_TYPES:
+        assert request(proxy, "POST", "/v1/chat/completions", chat(body))[0] < 500
+    served = metric_value(scrape(proxy.url), "modelcanary_requests_total", route=ROUTE, outcome="completed")
     status, raw, _ = request(proxy, "POST", "/v1/chat/completions", chat({"model": ROUTE, "messages": MSG}))
-    assert status == 200
+    assert status == 200, raw[:300]
     text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_requests_total", route=ROUTE, outcome="completed") == served + 1
     assert metric_value(text, "modelcanary_failures_total", cause="proxy_error") == 0

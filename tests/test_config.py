@@ -40,6 +40,10 @@ def test_minimal_config_gets_every_default(tmp_path):
     assert config.events.backend == "memory" and config.events.kafka.topic_prefix == "modelcanary"
     assert config.routes["r"].rollout.steps == [1, 5, 25, 50] and config.routes["r"].rollout.alpha == 0.01
     assert config.routes["r"].shadow.sample_rate == 0.2 and config.tracing.capture_content is False
+    shadow, margins = config.routes["r"].shadow, config.routes["r"].rollout.margins
+    assert (shadow.similarity.backend, shadow.similarity.model, shadow.similarity.agree_at) == ("local", None, 0.8)
+    assert (shadow.stability.sample_rate, shadow.stability.k, shadow.judge) == (0.05, 3, None)
+    assert (margins.similarity_gap, margins.judge_preference, margins.stability_gap) == (0.05, 0.05, 0.05)
 
 
 BROKEN = [
@@ -52,6 +56,45 @@ BROKEN = [
     ({"routes": {"support-bot": {"stable": "m", "shadow": {"sample_rate": 2}}}}, "routes.support-bot.shadow.sample_rate:"),
     ({"providers": {"p": {"base_url": "ftp://x"}}}, "providers.p.base_url:"),
     ({"events": {"backend": "redis"}}, "events.backend:"),
+    ({"events": {"kafka": {"security": {"sasl_plain_pasword": "x"}}}},
+     "events.kafka.security.sasl_plain_pasword: unknown key"),
+    ({"events": {"kafka": {"security": {"security_protocol": "SASL_TLS"}}}}, "events.kafka.security.security_protocol:"),
+    ({"events": {"kafka": {"security": {"ssl_password": "x", "ssl_password_env": "X"}}}},
+     "events.kafka.security: ssl_password and ssl_password_env are both set"),
+    # several candidates (rollout.scope: segment)
+    ({"models": {"m2": {"provider": "p", "name": "y"}},
+      "routes": {"support-bot": {"stable": "m", "candidates": ["m2", "nope"], "rollout": {"scope": "segment"}}}},
+     "routes.support-bot.candidates.1: unknown model 'nope'"),
+    ({"models": {"m2": {"provider": "p", "name": "y"}, "m3": {"provider": "p", "name": "z"}},
+      "routes": {"support-bot": {"stable": "m", "candidates": ["m2", "m3"]}}},
+     "routes.support-bot.candidates: several candidates need rollout.scope: segment"),
+    ({"models": {"m2": {"provider": "p", "name": "y"}},
+      "routes": {"support-bot": {"stable": "m", "candidate": "m2", "rollout": {"select": "cheapest"}}}},
+     "routes.support-bot.rollout.select: chooses among several candidates"),
+    ({"models": {"m2": {"provider": "p", "name": "y"}, "m3": {"provider": "p", "name": "z"}},
+      "routes": {"support-bot": {"stable": "m", "candidate": "m3", "candidates": ["m2"]}}},
+     "routes.support-bot.candidate: give candidate (one model) or candidates (a list), not both"),
+    ({"models": {"m2": {"provider": "p", "name": "y"}},
+      "routes": {"support-bot": {"stable": "m", "candidates": ["m2", "m2"], "rollout": {"scope": "segment"}}}},
+     "routes.support-bot.candidates.1: 'm2' is listed twice"),
+    ({"routes": {"support-bot": {"stable": "m", "candidatez": ["m"]}}}, "routes.support-bot.candidatez: unknown key"),
+    ({"routes": {"support-bot": {"stable": "m", "rollout": {"scope": "segments"}}}},
+     "routes.support-bot.rollout.scope: Input should be 'route' or 'segment'"),
+    # answer quality: similarity backend, pairwise judge, margins
+    ({"routes": {"support-bot": {"stable": "m", "shadow": {"similarity": {"backend": "model", "model": "emb"}}}}},
+     "routes.support-bot.shadow.similarity.model: unknown model 'emb'"),
+    ({"routes": {"support-bot": {"stable": "m", "shadow": {"similarity": {"backend": "model"}}}}},
+     "routes.support-bot.shadow.similarity: backend 'model' needs `model`"),
+    ({"routes": {"support-bot": {"stable": "m", "shadow": {"similarity": {"model": "m"}}}}},
+     "routes.support-bot.shadow.similarity: `model` is only used with backend: model"),
+    ({"routes": {"support-bot": {"stable": "m", "shadow": {"similarity": {"backend": "onnx"}}}}},
+     "routes.support-bot.shadow.similarity.backend: Input should be 'local' or 'model'"),
+    ({"routes": {"support-bot": {"stable": "m", "shadow": {"similarity": {"agree_at": 1.5}}}}},
+     "routes.support-bot.shadow.similarity.agree_at:"),
+    ({"routes": {"support-bot": {"stable": "m", "shadow": {"judge": {"model": "m", "mode": "single"}}}}},
+     "routes.support-bot.shadow.judge.mode: Input should be 'pairwise'"),
+    ({"routes": {"support-bot": {"stable": "m", "rollout": {"margins": {"judge_preference": -1}}}}},
+     "routes.support-bot.rollout.margins.judge_preference:"),
 ]
 
 
@@ -90,3 +133,49 @@ def test_serve_refuses_a_bad_config_with_the_path(tmp_path):
                             capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 1
     assert "routes.r.stable: unknown model 'm'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_check_config_says_which_providers_forward_the_clients_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "providers": {"own-key": {"base_url": "http://127.0.0.1:1/v1", "api_key_env": "PATH"},
+                      "no-env": {"base_url": "http://127.0.0.1:1/v1"},
+                      "unset": {"base_url": "http://127.0.0.1:1/v1", "api_key_env": "MC_TEST_UNSET_KEY"}},
+        "models": {"m": {"provider": "own-key", "name": "x"}},
+        "routes": {"r": {"stable": "m"}},
+    }))
+    result = check_config(path)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: provider no-env has no api_key_env: each client's own Authorization header is forwarded to it",
+        "note: provider unset has api_key_env MC_TEST_UNSET_KEY, which is not set: "
+        "each client's own Authorization header is forwarded to it",
+    ]
+
+
+def test_serve_logs_once_that_the_clients_key_is_forwarded(servers):
+    from tests.fixtures.servers import proxy_config
+
+    proxy = servers.proxy(proxy_config("http://127.0.0.1:1"))
+    proxy.stop()
+    lines = [line for line in proxy.output().splitlines() if "Authorization header is forwarded" in line]
+    assert len(lines) == 1 and "provider sim has no api_key_env" in lines[0], proxy.output()[-2000:]
+
+
+@pytest.mark.parametrize("command", ["serve", "collect", "control"])
+def test_an_unset_kafka_secret_variable_stops_start_with_its_field(tmp_path, command):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "providers": {"p": {"base_url": "http://127.0.0.1:1/v1"}},
+        "models": {"m": {"provider": "p", "name": "x"}},
+        "routes": {"r": {"stable": "m"}},
+        "events": {"backend": "kafka", "kafka": {"bootstrap_servers": "127.0.0.1:1",
+                                                 "security": {"sasl_plain_password_env": "MC_TEST_UNSET_SECRET"}}},
+    }))
+    result = subprocess.run([sys.executable, "-m", "service.cli", command, "--config", str(path)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 1
+    assert ("events.kafka.security.sasl_plain_password_env: environment variable 'MC_TEST_UNSET_SECRET' is not set"
+            in result.stderr), result.stderr
+    assert "Traceback" not in result.stderr

@@ -125,6 +125,7 @@ async def test_restart_with_persisted_state_keeps_phase_and_step(tmp_path):
         stop.set()
         await task
     assert reached.phase == "canary" and reached.step_index >= 1
+    assert book.flush(10)  # what a process exit waits for
     # a new process: same file, new bus, new controller, no traffic yet
     bus2, book2 = MemoryBus(), RolloutBook(cfg, persist_path=path)
     resumed = book2.get("bot")

@@ -2,8 +2,8 @@
 
 `modelcanary control` on a real broker (Tansu) is fed outcomes and evaluations, killed with SIGKILL and
 started again: the first report of the new process already counts what the old one had counted (read
-back from the topics since the rollout began, up to the group's commits), and records delivered twice
-count once."""
+back from the topics since the rollout began, up to the group's commits, into the windows the latest
+rollout state lists), and records delivered twice count once."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from service.bus.kafka import KafkaBus, read_topic
 from service.config import KafkaConfig, SpoolConfig
 from service.judge.evidence import RouteEvidence
 from service.records import Agreement, CandidateResult, EvaluationRecord, OutcomeEvent, Repro, RolloutState
-from service.rollout.follower import RolloutHistory
 from tests.fixtures.servers import free_port, proxy_config, write_yaml
 from tests.judge_traffic import evaluation, make_config, outcome
 
@@ -52,37 +51,35 @@ def test_evidence_counts_a_record_delivered_twice_once():
     assert ev.totals(("live", "candidate"), "overall").fb_n == 2
 
 
-def _state(version: int, since: float, phase: str = "canary", step: int = 0, candidate: str = "candidate-m",
-           by: str = "controller") -> RolloutState:
+def test_the_latest_state_lists_the_windows_of_its_rollout():
     from service.records import LastDecision
+    from service.rollout.book import RolloutBook
 
-    return RolloutState(route="bot", stable="stable-m", candidate=candidate, phase=phase, canary_weight=0.1,
-                        step_index=step, since=since, version=version, report={"big": "x" * 1000},
-                        last_decision=LastDecision(decision="hold", reasons=[], ts=since, by=by))
-
-
-def test_rollout_history_keeps_the_windows_of_the_latest_rollout():
-    h = RolloutHistory()
-    h.add(_state(1, 100.0, candidate="old-m", phase="shadow", step=-1))
-    h.add(_state(2, 200.0, phase="shadow", step=-1))        # a new candidate: a new rollout
-    h.add(_state(3, 200.0, phase="shadow", step=-1))        # a report: same window
-    h.add(_state(0, 150.0, phase="shadow", step=-1))        # a stale state from another replica
-    h.add(_state(4, 300.0, phase="canary", step=0))
-    h.add(_state(5, 400.0, phase="paused", step=0, by="operator"))
-    h.add(_state(6, 500.0, phase="canary", step=0, by="operator"))
-    windows = h.windows("bot")
-    assert [(s.phase, s.step_index, s.since) for s in windows] == [
-        ("shadow", -1, 200.0), ("canary", 0, 300.0), ("paused", 0, 400.0), ("canary", 0, 500.0)]
-    assert all(s.report is None for s in windows)
-    assert h.windows("other") == []
+    cfg = make_config()
+    book = RolloutBook(cfg)
+    first = book.get("bot")
+    book.decide("bot", LastDecision(decision="hold", reasons=["wait"]))          # a verdict: same window
+    book.decide("bot", LastDecision(decision="step", reasons=["ok"]))            # shadow -> canary 0
+    book.operate("bot", "pause")
+    book.operate("bot", "resume")
+    latest = book.get("bot")
+    assert [w[:2] for w in latest.windows] == [("shadow", -1), ("canary", 0), ("paused", 0), ("canary", 0)]
+    assert latest.windows[0][2] == first.since and latest.windows[-1][2] == latest.since
+    # a new controller opens the same evidence windows from that one state
+    ev = RouteEvidence("bot", cfg.routes["bot"], "stable-m", "candidate-m")
+    for phase, step, since in latest.windows:
+        ev.sync(latest.model_copy(update={"phase": phase, "step_index": step, "since": since}))
+    ev.sync(latest)
+    assert len(ev.windows) == 4
 
 
 # ---- end to end: kill -9 and restart ------------------------------------------------------------------
 
 
 def _report(bootstrap: str, prefix: str) -> tuple[dict, dict]:
-    states = [s for s in read_topic(bootstrap, f"{prefix}.rollouts", timeout_s=10) if s.get("route") == ROUTE]
-    latest = max(states, key=lambda s: s.get("version", 0)) if states else {}
+    """The latest report, from the reports topic (the rollouts topic carries states only)."""
+    reports = [r for r in read_topic(bootstrap, f"{prefix}.reports", timeout_s=10) if r.get("route") == ROUTE]
+    latest = max(reports, key=lambda r: r.get("ts", 0)) if reports else {}
     return latest, latest.get("report") or {}
 
 
@@ -143,7 +140,7 @@ def test_restarted_controller_continues_its_evidence(kafka_broker, servers, tmp_
                                                    "partitions": 3, "linger_ms": 5},
                      "spool": {"dir": str(tmp_path / "control-spool")}}
     port = free_port()
-    cfg["control"] = {"metrics_port": port, "interval_s": 0.5}
+    cfg["control"] = {"metrics_port": port, "interval_s": 0.5, "report_interval_s": 0.5}
     path = write_yaml(tmp_path / "control.yaml", copy.deepcopy(cfg))
     health = f"http://127.0.0.1:{port}/healthz"
     control = servers.process(["control", "--config", str(path)], "control", ready_url=health)

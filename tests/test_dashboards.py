@@ -13,7 +13,6 @@ from grafana_foundation_sdk.models.dashboard import Dashboard
 from dashboards import build
 from dashboards.panels import or_zero
 from dashboards.queries import annotation_queries, default_variables, panel_queries, substitute
-from tests.fixtures.prometheus import PROMETHEUS_BIN
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_DIR = ROOT / "dashboards" / "json"
@@ -106,11 +105,16 @@ def test_issue_panels_are_there(models):
         assert metric in rollout, metric
     assert "sum by (role, cause)" in rollout and "sum by (role, blame)" in rollout
     assert "sum by (segment, role)" in rollout
+    # the routing table: which model serves each segment now, and each segment's own weight and phase
+    assert "sum by (segment, model, role)" in rollout
+    assert "modelcanary_rollout_segment_weight_ratio" in rollout and "modelcanary_rollout_segment_phase" in rollout
     assert [n for n, _ in annotation_queries(models["modelcanary-rollout"])] == [
         "decision: step", "decision: promote", "decision: rollback"]
     shadow = exprs["modelcanary-shadow"]
     for metric in ("modelcanary_shadow_agreement_total", "modelcanary_shadow_evaluations_total",
-                   "modelcanary_shadow_dropped_total", "modelcanary_shadow_requests_total"):
+                   "modelcanary_shadow_dropped_total", "modelcanary_shadow_requests_total",
+                   "modelcanary_shadow_similarity_sum", "modelcanary_shadow_similarity_bucket",
+                   "modelcanary_shadow_judge_total"):
         assert metric in shadow, metric
     health = exprs["modelcanary-health"]
     for metric in ("modelcanary_requests_total", "modelcanary_in_flight_requests", "modelcanary_upstream_retries_total",
@@ -138,7 +142,7 @@ def test_substitute():
         'rate(x{route=~"support-bot"}[1m]) support-bot 5m $other'
 
 
-@pytest.mark.skipif(not Path(PROMETHEUS_BIN).exists(), reason="prometheus not installed")
+@pytest.mark.requires("prometheus")
 def test_every_expression_is_valid_promql(models, prometheus_factory):
     """Syntax and types, against a real Prometheus (data comes in the end-to-end test)."""
     prom = prometheus_factory([], scrape_self=True)

@@ -1,23 +1,83 @@
-"""`modelcanary demo --duration N` tells the story: a candidate worse at tool calls is rolled back."""
+"""`modelcanary demo --duration N` tells the story: capability is a profile, not one number. Each
+segment has its own rollout: the cheaper candidate is promoted for chat and JSON, tools stay on the
+stable model, and the candidate worse everywhere is ruled out everywhere. `--route-scope` tells the
+older story: one rollout for the whole route, so the candidate that breaks tool calls is rolled back."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_rolls_back_the_candidate_that_breaks_tools():
-    result = subprocess.run([sys.executable, "-m", "service.cli", "demo", "--duration", "55"],
+def demo(*args: str) -> tuple[str, str]:
+    result = subprocess.run([sys.executable, "-m", "service.cli", "demo", "--duration", "55", *args],
                             capture_output=True, text=True, cwd=ROOT, timeout=150)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    last = result.stdout.strip().splitlines()[-1]
+    return result.stdout, result.stdout.strip().splitlines()[-1]
+
+
+def test_demo_promotes_per_segment_where_the_evidence_is():
+    out, last = demo()
+    match = re.fullmatch(r"final: route=(\S+) phase=(\S+) decision=(\S+) reason=(.+) segments=(\S+)", last)
+    assert match, last
+    route, phase, decision, reason, segments = match.groups()
+    assert segments == "chat:promoted,json:promoted,tools:rolled_back", last
+    assert (route, phase, decision) == ("support-bot", "partial", "rollback"), last
+    # the reason is the tools evidence against the candidate that serves chat and JSON now
+    assert reason.startswith("segment tools, candidate-m: ") and "n=" in reason, reason
+    assert "candidate-m picked (select cheapest" in out and "segment tools: shadow → rolled_back" in out
+    assert "  candidate-m: promoted in chat, json; ruled out in tools" in out
+    assert "  budget-m: ruled out in chat, json, tools" in out  # worse everywhere
+
+
+def test_demo_route_scope_rolls_back_the_candidate_that_breaks_tools():
+    result_stdout, last = demo("--route-scope")
     match = re.fullmatch(r"final: route=(\S+) phase=(\S+) decision=(\S+) reason=(.+)", last)
     assert match, last
     route, phase, decision, reason = match.groups()
     assert (route, phase, decision) == ("support-bot", "rolled_back", "rollback"), last
-    assert "tools" in reason and "n=" in reason
-    assert "canary" in result.stdout and "stable" in result.stdout
+    assert "tools" in reason and "n=" in reason and "segments=" not in last
+    assert "canary" in result_stdout and "stable" in result_stdout
+
+
+@pytest.mark.timeout(180)
+def test_demo_runs_from_an_installed_wheel(tmp_path):
+    """The wheel alone carries what `modelcanary demo` needs (its configs are package data): build it
+    from a copy of the sources, install it into a fresh venv, and run the demo outside the repository.
+    The venv sees the dependencies through a .pth naming the project venv's site-packages, whose
+    editable install of this repository is not activated by a plain path line."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("service", "collectors", "dashboards"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist, venv, cwd = tmp_path / "dist", tmp_path / "venv", tmp_path / "elsewhere"
+    pip = [sys.executable, "-m", "pip"]
+    run([*pip, "wheel", "--no-deps", "-q", str(src), "-w", str(dist)])
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    python = venv / "bin" / "python"
+    run([*pip, "--python", str(python), "install", "-q", "--no-index", "--no-deps", "--find-links", str(dist),
+         "modelcanary"])
+    site = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    deps = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "fastapi").is_dir())
+    (Path(site) / "project-deps.pth").write_text(f"{deps}\n")
+    cwd.mkdir()
+    where = run([str(python), "-c", "import service; print(service.__file__)"], cwd=cwd).stdout.strip()
+    assert Path(where).is_relative_to(venv), where  # the installed package, not the source tree
+    result = run([str(venv / "bin" / "modelcanary"), "demo", "--duration", "20"], cwd=cwd, timeout=120)
+    assert re.fullmatch(r"final: route=support-bot phase=\S+ decision=\S+ reason=.+",
+                        result.stdout.strip().splitlines()[-1]), result.stdout[-2000:]
+
+
+def run(args: list[str], cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, cwd=cwd, timeout=timeout)
+    assert result.returncode == 0, f"{args}: {result.stdout[-2000:]}{result.stderr[-3000:]}"
+    return result

@@ -17,12 +17,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import helm_python
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from referencing import Registry, Resource
+
+from tests.fixtures.prometheus import PROMTOOL_BIN
+from tests.fixtures.require import require
+
+require("helm")  # the whole module renders with it
+import helm_python  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "modelcanary"
@@ -210,6 +215,7 @@ def test_default_render_has_the_three_components(rendered):
         ("Deployment", "mc-modelcanary-controller"),
         ("Deployment", "mc-modelcanary-proxy"),
         ("Deployment", "mc-modelcanary-workers"),
+        ("PodDisruptionBudget", "mc-modelcanary-controller"),
         ("PodDisruptionBudget", "mc-modelcanary-proxy"),
         ("Service", "mc-modelcanary-controller-metrics"),
         ("Service", "mc-modelcanary-proxy"),
@@ -279,8 +285,33 @@ def test_workloads_are_wired_and_locked_down(rendered, scenario):
             assert svc["spec"]["ports"][0]["port"] == port
             assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
         if component == "controller":
-            assert deploy["spec"]["replicas"] == 1
-            assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+            # two controllers: one leads, one stands by; an update starts a standby before it stops one
+            assert deploy["spec"]["replicas"] == 2
+            assert deploy["spec"]["strategy"] == {"type": "RollingUpdate",
+                                                  "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+            assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+
+def test_controllers_have_a_disruption_budget_and_topics_a_retention(rendered):
+    docs = documents(rendered["default"])
+    pdbs = {d["metadata"]["name"]: d for d in by_kind(docs, "PodDisruptionBudget")}
+    controllers = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "mc-modelcanary-controller")
+    pdb = pdbs["mc-modelcanary-controller"]["spec"]
+    assert pdb["maxUnavailable"] == 1  # a node drain never takes both controllers
+    assert pdb["selector"]["matchLabels"] == controllers["spec"]["selector"]["matchLabels"]
+    assert rendered_config(docs)["events"]["kafka"]["retention_hours"] == {
+        "outcomes": 168, "traffic": 24, "evaluations": 168}
+
+
+def test_controller_replicas_and_budget_follow_the_values(chart):
+    docs = documents(render(chart, {"controller": {"replicas": 3, "podDisruptionBudget": {
+        "maxUnavailable": None, "minAvailable": 2}}}))
+    (controllers,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "mc-modelcanary-controller"]
+    assert controllers["spec"]["replicas"] == 3
+    (pdb,) = [d for d in by_kind(docs, "PodDisruptionBudget") if d["metadata"]["name"] == "mc-modelcanary-controller"]
+    assert pdb["spec"] == {"minAvailable": 2, "selector": pdb["spec"]["selector"]}
+    docs = documents(render(chart, {"controller": {"replicas": 1, "podDisruptionBudget": {"enabled": False}}}))
+    assert [d["metadata"]["name"] for d in by_kind(docs, "PodDisruptionBudget")] == ["mc-modelcanary-proxy"]
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -342,10 +373,11 @@ def test_kafka_sasl_and_tls_come_from_secrets(rendered, monkeypatch):
     assert not by_kind(docs, "Secret")
     # The Kafka bus reads the credentials from the environment the pods get.
     from service.bus.kafka import client_security
+    from service.config import KafkaSecurity
 
     monkeypatch.setenv("MODELCANARY_KAFKA_SASL_USERNAME", "modelcanary")
     monkeypatch.setenv("MODELCANARY_KAFKA_SASL_PASSWORD", "s3cret")
-    assert client_security(security) == {
+    assert client_security(KafkaSecurity.model_validate(security)) == {
         "security_protocol": "SASL_SSL",
         "sasl_mechanism": "SCRAM-SHA-512",
         "sasl_plain_username": "modelcanary",
@@ -407,9 +439,9 @@ def test_everything_enabled(rendered):
     }
 
 
+@pytest.mark.requires("promtool")
 def test_prometheus_rule_passes_promtool(rendered, tmp_path):
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is missing: `make system-deps` installs Debian's prometheus package"
+    promtool = PROMTOOL_BIN
     rule = one(documents(rendered["everything"]), "PrometheusRule")
     source = yaml.safe_load((CHART / "files" / "prometheus" / "rules.yaml").read_text())
     assert rule["spec"]["groups"] == source["groups"]
@@ -432,7 +464,8 @@ def test_lint_reports_no_errors(values):
     ({"workers": {"replicas": "2"}}, "/workers/replicas"),
     ({"replicaCount": 2}, "replicaCount"),
     ({"proxy": {"replica": 2}}, "replica"),
-    ({"controller": {"replicas": 2}}, "/controller/replicas"),
+    ({"controller": {"replicas": 0}}, "/controller/replicas"),
+    ({"config": {"events": {"kafka": {"retention_hours": {"rollouts": 1}}}}}, "retention_hours"),
     ({"config": {"state_dir": "/data"}}, "/config/state_dir"),
     ({"config": {"events": {"backend": "memory"}}}, "/config/events/backend"),
     ({"config": {"events": {"kafka": {"bootstrap_servers": "x:9092"}}}}, "bootstrap_servers"),

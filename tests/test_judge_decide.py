@@ -1,9 +1,12 @@
 """DESIGN §9 rules: rollback lists every worse comparison, thin data holds, promotion needs
-non-inferiority everywhere with enough data, advisory only records, max_step_seconds."""
+non-inferiority everywhere with enough data (each comparison at the full alpha), advisory only
+records, max_step_seconds; the forecast of a blocking comparison; live and shadow as one metric."""
 
 from __future__ import annotations
 
+import math
 import random
+import re
 import time
 
 import pytest
@@ -121,7 +124,10 @@ def test_shadow_catches_a_bad_segment_before_any_live_traffic():
     _feed(ev, traffic(5000, 0.0, STABLE, BAD_TOOLS, shadow_rate=0.5, rng=random.Random(4)))
     d = judge(state, rc, ev).decision
     assert d.decision == "rollback"
-    assert any(e.segment == "tools" and e.metric.startswith("shadow.") for e in d.evidence)
+    # no live candidate traffic yet: the evidence is the shadow pairs (candidate vs the stable asked again)
+    tools = next(e for e in d.evidence if (e.metric, e.segment) == ("completion_rate", "tools"))
+    assert tools.verdict == "worse" and tools.n > 100
+    assert any(r.startswith("segment tools: completion rate (shadow)") for r in d.reasons)
 
 
 def test_promote_requires_non_inferiority_everywhere_with_enough_data():
@@ -227,3 +233,125 @@ def test_task_success_from_feedback_is_judged():
     assert ts and ts[0].verdict == WORSE and ts[0].n == 600
     assert j.decision.decision == "rollback"
     assert any(r.startswith("segment chat: task success") for r in j.decision.reasons)
+
+
+# ---- promotion as an intersection-union test, forecasts, one metric with all its evidence ---------------
+
+def _exact(ev, role: str, segment: str, n: int, p: float, ts: float | None = None) -> None:
+    """n outcomes of one arm at exactly the rate p (failures spread evenly), so estimates stay put."""
+    for i in range(n):
+        ok = math.floor((i + 1) * (1 - p) + 1e-9) == math.floor(i * (1 - p) + 1e-9)
+        ev.add_outcome(outcome(role, segment, ok, ts=ts))
+
+
+def _last_step(cfg, age_s: float = 600.0):
+    now = time.time()
+    state, rc, ev = _setup(cfg, step=len(cfg.routes["bot"].rollout.steps) - 1, since=now - age_s)
+    return state, rc, ev, now
+
+
+NO_SHADOW = {"sample_rate": 0.0}
+
+
+def test_promotion_needs_each_comparison_at_the_full_alpha_not_a_share_of_it():
+    cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
+    state, rc, ev, now = _last_step(cfg)
+    _exact(ev, "stable", "chat", 20_000, 0.95, ts=now - 300)
+    _exact(ev, "canary", "chat", 20_000, 0.95, ts=now - 300)
+    j = judge(state, rc, ev, now)
+    assert j.decision.decision == "promote", j.decision.reasons
+    comp = next(c for c in j.comparisons if (c.spec.name, c.segment) == ("completion_rate", "chat"))
+    lo, hi = comp.interval
+    assert lo > -rc.rollout.margins.completion_rate
+    # the rollback side's radius, at alpha / K: an interval that wide on both sides would still hold
+    assert comp.effect - (hi - comp.effect) < -rc.rollout.margins.completion_rate
+    report = j.report()
+    assert report["alpha_within"] == rc.rollout.alpha
+    assert report["alpha_per_comparison"] == pytest.approx(rc.rollout.alpha / report["comparisons_budget"])
+
+
+def test_a_blocking_comparison_forecasts_the_samples_and_time_it_needs():
+    cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
+    state, rc, ev, now = _last_step(cfg, age_s=600.0)
+    _exact(ev, "stable", "chat", 5000, 0.95, ts=now - 300)
+    _exact(ev, "canary", "chat", 5000, 0.95, ts=now - 300)
+    j = judge(state, rc, ev, now)
+    d = j.decision
+    assert d.decision == "hold"
+    comp = next(c for c in j.comparisons if (c.spec.name, c.segment) == ("completion_rate", "chat"))
+    f = comp.forecast
+    assert f is not None and f.needed_n > 1000
+    assert f.eta_s == pytest.approx(f.needed_n / (5000 / 600), rel=0.02)  # at the window's 8.3 canary samples/s
+    # the slowest are listed (here all alike: completion, model failures, the failure cause)
+    pattern = r"(overall|segment chat): .+ non-inferiority needs ~[\d.]+k? more canary samples \(~.+ at current traffic\)"
+    assert any(re.fullmatch(pattern, r) for r in d.reasons), d.reasons
+    assert "promotion possible in ~" in d.reasons[0]
+    ev_rec = next(e for e in d.evidence if (e.metric, e.segment) == ("completion_rate", "chat"))
+    assert (ev_rec.needed_n, ev_rec.eta_s) == (f.needed_n, f.eta_s)
+    row = next(c for c in j.report()["comparisons"] if (c["metric"], c["segment"]) == ("completion_rate", "chat"))
+    assert row["needed_n"] == f.needed_n and "needs ~" in row["forecast"]
+
+    def verdict_after(extra: int) -> int:
+        _, _, ev2, _ = _last_step(cfg, age_s=600.0)
+        _exact(ev2, "stable", "chat", 5000 + extra, 0.95, ts=now - 300)
+        _exact(ev2, "canary", "chat", 5000 + extra, 0.95, ts=now - 300)
+        return next(c.verdict for c in evaluate(ev2, rc) if (c.spec.name, c.segment) == ("completion_rate", "chat"))
+
+    # at an unchanged effect the forecast is what it takes: a little less is not enough, that much is
+    assert verdict_after(int(0.9 * f.needed_n)) != WITHIN
+    assert verdict_after(int(1.05 * f.needed_n)) == WITHIN
+
+
+def test_the_forecast_says_when_more_data_cannot_show_non_inferiority():
+    cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
+    state, rc, ev, now = _last_step(cfg)
+    _exact(ev, "stable", "chat", 3000, 0.985, ts=now - 300)
+    _exact(ev, "canary", "chat", 3000, 0.97, ts=now - 300)   # 1.5 pts worse: beyond the margin, not yet sure
+    j = judge(state, rc, ev, now)
+    assert j.decision.decision == "hold"
+    comp = next(c for c in j.comparisons if (c.spec.name, c.segment) == ("completion_rate", "chat"))
+    assert comp.verdict != WORSE and comp.forecast is not None and comp.forecast.needed_n is None
+    assert any(re.match(r"(overall|segment chat): .+ non-inferiority cannot be shown at the current effect \([+−]1\.5 pts,"
+                        r" margin 1 pts\): widen the margin or fix the candidate", r) for r in j.decision.reasons), \
+        j.decision.reasons
+
+
+def test_forecasts_reach_analysis_and_status():
+    from rich.console import Console
+
+    from service.admin.cli import status_table
+    from service.records import dump
+
+    cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
+    state, rc, ev, now = _last_step(cfg)
+    _exact(ev, "stable", "chat", 5000, 0.95, ts=now - 300)
+    _exact(ev, "canary", "chat", 5000, 0.95, ts=now - 300)
+    book = RolloutBook(cfg)
+    book.states["bot"] = state
+    held = book.decide("bot", judge(state, rc, ev, now).decision)
+    assert any("non-inferiority needs ~" in r for r in analysis(held)["reasons"])
+    console = Console(record=True, width=200)
+    console.print(status_table([dump(held)]))
+    assert "non-inferiority needs ~" in console.export_text()
+
+
+def test_live_and_shadow_evidence_of_one_metric_are_one_comparison():
+    cfg = make_config(rollout={"min_samples_per_step": 100})
+    state, rc, ev = _setup(cfg, step=1)
+    _feed(ev, traffic(8000, 0.5, STABLE, GOOD, shadow_rate=0.3, rng=random.Random(9)))
+    comp = next(c for c in evaluate(ev, rc) if (c.spec.name, c.segment) == ("completion_rate", "overall"))
+    assert comp.source == "live+shadow"
+    parts = {p["source"]: p for p in comp.parts}
+    assert set(parts) == {"live", "shadow"}
+    assert comp.n == parts["live"]["n"] + parts["shadow"]["n"]
+    assert comp.reason().startswith("overall: completion rate (live+shadow) ")
+    # without the stable asked again (no noise floor), the candidate's shadow outcomes join its live ones
+    cfg2 = make_config(rollout={"min_samples_per_step": 100}, shadow={"noise_floor": False})
+    state2, rc2, ev2 = _setup(cfg2, step=1)
+    for r in traffic(8000, 0.5, STABLE, GOOD, shadow_rate=0.3, rng=random.Random(9)):
+        if r.schema_ == "modelcanary.outcome/v1":
+            ev2.add_outcome(r)
+        else:
+            ev2.add_evaluation(r.model_copy(update={"stable_again": None}))
+    comp2 = next(c for c in evaluate(ev2, rc2) if (c.spec.name, c.segment) == ("completion_rate", "overall"))
+    assert comp2.source == "live+shadow" and comp2.n == parts["live"]["n"] + ev2.current.shadow_records

@@ -1,4 +1,5 @@
-"""The judge's statistics: known cases, interval coverage, type-I error under continuous peeking."""
+"""The judge's statistics: known cases, interval coverage, type-I error under continuous peeking,
+paired shadow records, sessions, and how sources combine."""
 
 from __future__ import annotations
 
@@ -10,14 +11,20 @@ import pytest
 from service.judge import stats
 from service.judge.comparisons import (
     INCONCLUSIVE,
+    PROPORTION_TAUS,
+    SCALE_WEIGHTS,
     WITHIN,
     WORSE,
     CostRatioTest,
     FixedBoundary,
     LatencyExceedanceTest,
     MixtureBoundary,
+    PairedCostRatioTest,
+    PairedExceedanceTest,
+    PairedMeanTest,
     ProportionTest,
     compare,
+    interval,
 )
 
 EDGES = np.concatenate([[0.0], np.geomspace(0.05, 8.0, 60), [np.inf]])
@@ -120,7 +127,7 @@ def test_log_ratio_of_means_known_ratio():
     def arm(n, cost, done):
         d = np.r_[np.ones(done), np.zeros(n - done)]
         c = np.full(n, cost)
-        return np.array([[n, c.sum(), (c * c).sum(), d.sum(), (c * d).sum()]])
+        return np.array([[n, c.sum(), (c * c).sum(), d.sum(), (c * d).sum(), d.sum()]])
     e = stats.log_ratio_of_means(arm(1000, 0.002, 900), arm(1000, 0.003, 900))
     assert math.exp(float(e.effect)) == pytest.approx(1.5)
     assert float(e.stable) == pytest.approx(0.002 / 0.9)
@@ -141,15 +148,21 @@ def test_compare_verdicts_against_a_margin():
 
 # ---- simulation: coverage and type-I error under continuous monitoring -----------------------------
 
+PROMOTION_GATE = 300
+
+
 def _peek_proportions(p_s, p_c, runs, looks, per_look, share_c, alpha, boundary, margin=0.0, seed=0,
                       weights=None):
     """Fraction of runs in which the judge *ever* (at any of `looks`) calls the candidate worse
-    than `margin`, and in which the interval ever misses the true difference."""
+    than `margin`, and in which the interval ever misses the true difference — on its worse side
+    (the truth above it: a false alarm) or on its better side (the truth below it: a false "within"),
+    each one-sided at alpha. The better end only decides promotion, which needs PROMOTION_GATE
+    observations per arm (min_samples_per_step), so it is counted from there."""
     rng = np.random.default_rng(seed)
     W = 1 if weights is None else len(weights)
     n_s, x_s, n_c, x_c = (np.zeros((runs, W)) for _ in range(4))
     ever_worse = np.zeros(runs, dtype=bool)
-    ever_miss = np.zeros(runs, dtype=bool)
+    ever_miss = np.zeros((2, runs), dtype=bool)
     test = ProportionTest()
     for t in range(looks):
         w = 0 if weights is None else min(t * W // looks, W - 1)
@@ -164,9 +177,9 @@ def _peek_proportions(p_s, p_c, runs, looks, per_look, share_c, alpha, boundary,
         c = np.stack([n_c, x_c], axis=-1)
         res = compare(test, boundary, s, c, alpha, -margin, "below")
         ever_worse |= res.verdict == WORSE
-        ok = (res.estimate.n_candidate >= 30) & (res.estimate.n_stable >= 30)
-        ever_miss |= ok & ((res.lo > p_c - p_s) | (res.hi < p_c - p_s))
-    return ever_worse.mean(), ever_miss.mean()
+        n_min = np.minimum(res.estimate.n_candidate, res.estimate.n_stable)
+        ever_miss |= np.stack([(n_min >= 30) & (res.hi < p_c - p_s), (n_min >= PROMOTION_GATE) & (res.lo > p_c - p_s)])
+    return ever_worse.mean(), ever_miss.mean(axis=1).max()
 
 
 @pytest.mark.parametrize("p, share", [(0.95, 0.05), (0.95, 0.5), (0.99, 0.05), (0.6, 0.25)])
@@ -233,13 +246,13 @@ def test_cost_ratio_coverage_under_peeking():
     rng = np.random.default_rng(7)
     runs, looks, alpha = 1000, 100, 0.05
     true_log_ratio = math.log((0.003 / 0.9) / (0.002 / 0.95))
-    arms = [np.zeros((runs, 1, 5)) for _ in range(2)]
+    arms = [np.zeros((runs, 1, 6)) for _ in range(2)]
     miss = np.zeros(runs, dtype=bool)
     for _ in range(looks):
         for arm, (mean_cost, p_done, n) in zip(arms, ((0.002, 0.95, 60), (0.003, 0.9, 40))):
             c = rng.gamma(2.0, mean_cost / 2.0, (runs, n))
             d = (rng.random((runs, n)) < p_done).astype(float)
-            arm[:, 0] += np.stack([np.full(runs, n), c.sum(1), (c * c).sum(1), d.sum(1), (c * d).sum(1)], -1)
+            arm[:, 0] += np.stack([np.full(runs, n), c.sum(1), (c * c).sum(1), d.sum(1), (c * d).sum(1), d.sum(1)], -1)
         res = compare(CostRatioTest(), MixtureBoundary(), arms[0], arms[1], alpha, math.log(1.25), "above")
         miss |= (res.lo > true_log_ratio) | (res.hi < true_log_ratio)
     assert miss.mean() <= alpha + 0.015
@@ -248,3 +261,158 @@ def test_cost_ratio_coverage_under_peeking():
 def _lognorm_cdf(x, median, sigma):
     from scipy import stats as st
     return st.norm.cdf((np.log(x) - math.log(median)) / sigma)
+
+
+# ---- one-sided levels, paired records, sessions, combining sources ---------------------------------------
+
+def test_one_sided_level_is_the_two_sided_boundary_at_2_alpha():
+    assert stats.one_sided(0.01) == pytest.approx(0.02 / 1.01)
+    v = np.array([1e-5])
+    one = MixtureBoundary().radius(v, 0.01, PROPORTION_TAUS, SCALE_WEIGHTS)
+    two = stats.multi_scale_radius(v, 0.01, PROPORTION_TAUS, SCALE_WEIGHTS)
+    assert one < two  # one side at α needs less than both sides at α
+
+
+def test_intervals_end_at_their_own_level_each_side():
+    # "below" metric: the worse end (above the estimate) at alpha_worse, the better end at alpha_within
+    est = stats.Estimate(*(np.array([x]) for x in (0.95, 0.95, 0.0, 1e-5, 5000, 5000)))
+    res = interval(ProportionTest(), MixtureBoundary(), est, 0.01 / 150, 0.01, -0.01, "below")
+    up, down = float(res.hi[0] - 0.0), float(0.0 - res.lo[0])
+    assert up > down > 0
+    assert down == pytest.approx(float(stats.mixture_radius(1e-5, stats.one_sided(0.01), 0.01)))
+    # an "above" metric mirrors it
+    res2 = interval(ProportionTest(), MixtureBoundary(), est, 0.01 / 150, 0.01, 0.01, "above")
+    assert float(res2.hi[0]) == pytest.approx(down) and float(-res2.lo[0]) == pytest.approx(up)
+
+
+def test_variance_for_radius_inverts_the_boundary():
+    d = np.array([0.004, 0.01, 0.03])
+    v = stats.variance_for_radius(d, 0.0198, np.array([0.01, 0.01, 0.05]))
+    assert np.allclose(stats.mixture_radius(v, 0.0198, np.array([0.01, 0.01, 0.05])), d, rtol=1e-3)
+    assert np.isnan(stats.variance_for_radius(np.array([-0.01, 0.0]), 0.01, 0.01)).all()
+
+
+def _pairs(n11, n01, n10, n00):
+    """Fields (n, Σd, Σd², Σc, Σs) of binary pairs: c candidate ok, s stable (asked again) ok."""
+    n = n11 + n01 + n10 + n00
+    return np.array([[[n, n01 - n10, n01 + n10, n11 + n01, n11 + n10]]], dtype=float)
+
+
+def test_paired_binary_outcomes_are_mcnemars_comparison():
+    f = _pairs(880, 3, 8, 109)          # 1000 requests, 11 discordant
+    e = PairedMeanTest().estimate(f, f)
+    assert e.effect[0] == pytest.approx(-0.005)
+    assert e.stable[0] == pytest.approx(0.888) and e.candidate[0] == pytest.approx(0.883)
+    # only the discordant pairs carry variance: (Σd² − (Σd)²/n + prior²) / (n + 1) per pair
+    assert e.var[0] == pytest.approx((11 - 25 / 1000 + 1) / 1001 / 1000)
+    # the same margins as two independent arms would give a ~20× wider variance
+    indep = stats.proportion_difference(np.array([[888.0]]), np.array([[1000.0]]), np.array([[883.0]]),
+                                        np.array([[1000.0]]))  # (1 element, 1 window)
+    assert indep.var[0] > 15 * e.var[0]
+
+
+def test_paired_binary_outcomes_keep_alpha_under_peeking():
+    # hard requests fail for both (correlated pairs), candidate as good as the stable: never worse than 0
+    rng = np.random.default_rng(11)
+    runs, looks, alpha = 2000, 150, 0.05
+    f = np.zeros((runs, 1, 5))
+    ever = np.zeros(runs, dtype=bool)
+    for _ in range(looks):
+        m = 100
+        hard = rng.random((runs, m)) < 0.1
+        p = np.where(hard, 0.5, 0.98)
+        s, c = rng.random((runs, m)) < p, rng.random((runs, m)) < p
+        d = c.astype(float) - s
+        f[:, 0] += np.stack([np.full(runs, m), d.sum(1), (d * d).sum(1), c.sum(1), s.sum(1)], -1)
+        ever |= compare(PairedMeanTest(), MixtureBoundary(), f, f, alpha, 0.0, "below").verdict == WORSE
+    assert ever.mean() <= alpha + 0.01
+
+
+def test_paired_latency_exceedance():
+    rng = np.random.default_rng(12)
+    n = 20_000
+    shared = rng.lognormal(math.log(0.3), 0.5, n)          # the request's own size: both sides
+    s = shared * rng.lognormal(0, 0.3, n)
+    for scale, expected in ((1.0, 0.0), (1.3, None)):
+        c = shared * rng.lognormal(0, 0.3, n) * scale
+        hists = [np.histogram(x, EDGES)[0] for x in (s, c, np.minimum(s, c), np.maximum(s, c))]
+        stable = np.array(hists[0], dtype=float)[None, None]
+        cand = np.concatenate(hists[1:]).astype(float)[None, None]
+        e = PairedExceedanceTest(edges=EDGES).estimate(stable, cand)
+        unpaired = stats.share_above_reference_quantile(stable, cand[..., :len(EDGES) - 1], EDGES)
+        assert e.effect[0] == pytest.approx(unpaired.effect[0], abs=0.005)
+        if expected is not None:
+            assert abs(e.effect[0]) < 0.01
+        else:
+            assert e.effect[0] > 0.05
+        # the shared size cancels: pairs need fewer requests for the same precision
+        assert e.var[0] < 0.8 * unpaired.var[0]
+
+
+def test_paired_cost_ratio_uses_the_covariance_of_the_pairs():
+    rng = np.random.default_rng(13)
+    n = 5000
+    size = rng.gamma(2.0, 0.001, n)                       # cost follows the request's size on both sides
+    cs, cc = size * 1.0, size * 1.2 * rng.lognormal(0, 0.05, n)
+    dc = (rng.random(n) < 0.95).astype(float)
+
+    def arm(c, d):  # (1 element, 1 window, fields)
+        return np.array([[[n, c.sum(), (c * c).sum(), d.sum(), (c * d).sum(), (d * d).sum()]]])
+    ds = np.ones(n)
+    cross = np.array([[[(cc * cs).sum(), (cc * ds).sum(), (dc * cs).sum(), (dc * ds).sum()]]])
+    paired = PairedCostRatioTest().estimate(arm(cs, ds), np.concatenate([arm(cc, dc), cross], axis=-1))
+    unpaired = CostRatioTest().estimate(arm(cs, ds), arm(cc, dc))
+    assert paired.effect[0] == pytest.approx(unpaired.effect[0])
+    assert math.exp(paired.effect[0]) == pytest.approx((cc.sum() / dc.sum()) / (cs.sum() / n))
+    assert paired.var[0] < 0.3 * unpaired.var[0]
+
+
+def test_design_effect_of_sessions():
+    rng = np.random.default_rng(14)
+    sessions, m, icc = 3000, 20, 0.2
+    ab = 1 / icc - 1
+    p = rng.beta(0.95 * ab, 0.05 * ab, sessions)
+    x = rng.binomial(m, p).astype(float)
+    n = np.full(sessions, float(m))
+    deff = stats.cluster_design_effect(n.sum(), x.sum(), (n * n).sum(), (x * n).sum(), (x * x).sum())
+    assert float(deff) == pytest.approx(1 + (m - 1) * icc, rel=0.15)
+    # each request its own session: exactly 1
+    y = (rng.random(5000) < 0.95).astype(float)
+    assert float(stats.cluster_design_effect(5000.0, y.sum(), 5000.0, y.sum(), y.sum())) == pytest.approx(1.0)
+
+
+def _session_alarms(clustered: bool, seed: int) -> float:
+    """A/A with sticky 20-request sessions (ICC 0.2), 1:1, watched 100 times: how often 'worse'."""
+    rng = np.random.default_rng(seed)
+    runs, looks, m, alpha = 1000, 100, 20, 0.05
+    ab = 1 / 0.2 - 1
+    arms = [np.zeros((runs, 1, 5)) for _ in range(2)]
+    ever = np.zeros(runs, dtype=bool)
+    for _ in range(looks):
+        for arm in arms:
+            p = rng.beta(0.95 * ab, 0.05 * ab, (runs, 5))
+            x = rng.binomial(m, p).astype(float)
+            arm[:, 0] += np.stack([np.full(runs, 5.0 * m), x.sum(1), np.full(runs, 5.0 * m * m), m * x.sum(1),
+                                   (x * x).sum(1)], -1)
+        s, c = (a if clustered else a[..., :2] for a in arms)
+        ever |= compare(ProportionTest(), MixtureBoundary(), s, c, alpha, 0.0, "below").verdict == WORSE
+    return float(ever.mean())
+
+
+def test_sessions_keep_false_alarms_at_alpha_only_when_clustered():
+    naive = _session_alarms(clustered=False, seed=15)
+    clustered = _session_alarms(clustered=True, seed=15)
+    assert naive > 0.1          # requests treated as independent: far more false alarms than α = 5 %
+    assert clustered <= 0.05 + 0.015
+
+
+def test_sources_are_combined_by_inverse_variance():
+    a = stats.Estimate(*(np.array([x]) for x in (0.95, 0.94, -0.01, 4e-5, 1000, 1000)))
+    b = stats.Estimate(*(np.array([x]) for x in (0.97, 0.97, 0.0, 1e-5, 400, 400)))
+    e = stats.combine_estimates([a, b])
+    assert e.effect[0] == pytest.approx((-0.01 / 4e-5 + 0.0 / 1e-5) / (1 / 4e-5 + 1 / 1e-5))
+    assert e.var[0] == pytest.approx(1 / (1 / 4e-5 + 1 / 1e-5))
+    assert e.candidate[0] - e.stable[0] == pytest.approx(e.effect[0])
+    assert e.n_candidate[0] == 1400
+    empty = stats.Estimate(*(np.array([x]) for x in (np.nan, np.nan, np.nan, np.inf, 0, 0)))
+    assert stats.combine_estimates([a, empty]).effect[0] == pytest.approx(-0.01)

@@ -25,7 +25,7 @@ from service.bus.kafka import (
     read_topic,
 )
 from service.bus.spool import Spool
-from service.config import KafkaConfig, SpoolConfig
+from service.config import KafkaConfig, KafkaSecurity, SpoolConfig
 from service.records import (
     Agreement,
     CandidateResult,
@@ -539,7 +539,7 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts file descriptors in /proc")
+@pytest.mark.requires("procfs")
 async def test_broker_outages_leak_no_file_descriptors(tmp_path):
     """A broker that accepts connections and closes them (the soak's "broker down"): every reconnect
     attempt builds Kafka clients whose constructors fail; each must close what it opened (epoll fd,
@@ -731,12 +731,12 @@ def test_spool_resumes_skips_torn_lines_and_adopts_orphaned_slots(tmp_path):
 def test_a_compression_codec_without_its_library_fails_at_start():
     from kafka import codec
 
-    missing = [c for c, check in (("lz4", codec.has_lz4), ("snappy", codec.has_snappy), ("zstd", codec.has_zstd))
-               if not check()]
-    if not missing:
-        pytest.skip("every codec library is installed")
-    with pytest.raises(ValueError, match=f"compression_type: '{missing[0]}' needs the Python package"):
-        check_compression(missing[0])
+    for name, installed in (("lz4", codec.has_lz4), ("snappy", codec.has_snappy), ("zstd", codec.has_zstd)):
+        if installed():
+            check_compression(name)
+        else:
+            with pytest.raises(ValueError, match=f"compression_type: '{name}' needs the Python package"):
+                check_compression(name)
     check_compression("gzip")
     check_compression(None)
 
@@ -744,17 +744,23 @@ def test_a_compression_codec_without_its_library_fails_at_start():
 def test_security_settings_map_to_kafka_python(monkeypatch):
     monkeypatch.setenv("MC_TEST_KAFKA_USER", "svc")
     monkeypatch.setenv("MC_TEST_KAFKA_PASSWORD", "s3cret-value")
-    assert client_security({
-        "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
-        "sasl_plain_username_env": "MC_TEST_KAFKA_USER", "sasl_plain_password_env": "MC_TEST_KAFKA_PASSWORD",
-        "ssl_cafile": "/etc/ca.crt", "ssl_check_hostname": True,
-    }) == {
+    monkeypatch.setenv("MC_TEST_KAFKA_CHECK", "false")
+    assert client_security(KafkaSecurity(
+        security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
+        sasl_plain_username_env="MC_TEST_KAFKA_USER", sasl_plain_password_env="MC_TEST_KAFKA_PASSWORD",
+        ssl_cafile="/etc/ca.crt", ssl_check_hostname_env="MC_TEST_KAFKA_CHECK",
+    )) == {
         "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "svc",
-        "sasl_plain_password": "s3cret-value", "ssl_cafile": "/etc/ca.crt", "ssl_check_hostname": True,
+        "sasl_plain_password": "s3cret-value", "ssl_cafile": "/etc/ca.crt", "ssl_check_hostname": False,
     }
+    assert client_security(KafkaSecurity(ssl_password="s3cret-value")) == {"ssl_password": "s3cret-value"}
     assert client_security(None) == {}
-    with pytest.raises(ValueError, match="MC_TEST_MISSING") as err:
-        client_security({"sasl_plain_password_env": "MC_TEST_MISSING"})
-    with pytest.raises(ValueError, match="unknown key 'sasl_passwd'") as err:
-        client_security({"sasl_passwd": "s3cret-value"})
+    with pytest.raises(ValueError, match="sasl_plain_password_env: environment variable 'MC_TEST_MISSING'"):
+        client_security(KafkaSecurity(sasl_plain_password_env="MC_TEST_MISSING"))
+    monkeypatch.setenv("MC_TEST_KAFKA_PROTOCOL", "s3cret-value")
+    with pytest.raises(ValueError, match="security_protocol_env: the value of 'MC_TEST_KAFKA_PROTOCOL'") as err:
+        client_security(KafkaSecurity(security_protocol_env="MC_TEST_KAFKA_PROTOCOL"))
     assert "s3cret-value" not in str(err.value)
+    # Passwords are secrets in the parsed config too: its repr and dumps never show them.
+    security = KafkaSecurity(sasl_plain_password="s3cret-value")
+    assert "s3cret-value" not in repr(security) and "s3cret-value" not in security.model_dump_json()

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures.prometheus import PROMETHEUS_BIN, PROMTOOL_BIN
+from tests.fixtures.prometheus import PROMTOOL_BIN
 
 RULES_DIR = Path(__file__).resolve().parents[1] / "dashboards" / "prometheus"
 RULES = RULES_DIR / "rules.yaml"
 RULES_TEST = RULES_DIR / "rules_test.yaml"
 
-pytestmark = pytest.mark.skipif(not Path(PROMTOOL_BIN).exists(), reason="promtool not installed (make system-deps)")
+pytestmark = pytest.mark.requires("promtool")
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -71,7 +71,7 @@ def test_every_alert_tested_firing_and_not_firing_and_every_record_tested():
     assert records - recorded == set(), "recording rules without a test"
 
 
-@pytest.mark.skipif(not Path(PROMETHEUS_BIN).exists(), reason="prometheus not installed")
+@pytest.mark.requires("prometheus")
 def test_real_prometheus_loads_and_evaluates_the_rules(prometheus_factory):
     """The fixture itself, minimally: Prometheus scraping itself, with our rules loaded."""
     prom = prometheus_factory([], rule_files=[RULES], scrape_self=True)

@@ -187,11 +187,13 @@ class Hook:
 
     def __init__(self) -> None:
         self.posts: list[bytes] = []
+        self.called = threading.Event()
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server API
                 hook.posts.append(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+                hook.called.set()
                 self.send_response(500)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -278,16 +280,29 @@ def test_planted_secrets_appear_in_no_output(kafka_broker, servers, tmp_path):
         responses.append(repr(http(proxy.url + "/v1/feedback", "POST", json.dumps(
             {"session_id": "nope", "success": True}).encode(), {"Authorization": f"Bearer {secrets['client key']}"})))
 
-        # shadow evaluations arrive, the controller moves the rollout (and calls the webhook)
-        deadline = time.monotonic() + 60
+        # shadow evaluations arrive (the collect process counts each before publishing it) ...
+        collect_url = f"http://127.0.0.1:{collect_port}"
+        deadline = time.monotonic() + 150
+        while (metric_value(scrape(collect_url), "modelcanary_shadow_requests_total", route=ROUTE) < 24
+               and time.monotonic() < deadline):
+            time.sleep(0.5)
         evaluations: list[dict] = []
-        while time.monotonic() < deadline:
+        while len({e["request_id"] for e in evaluations}) < 24 and time.monotonic() < deadline:
             evaluations = read_topic(kafka_broker.bootstrap, f"{prefix}.evaluations", timeout_s=5)
-            if len({e["request_id"] for e in evaluations}) >= 24 and hook.posts:
-                break
-            time.sleep(1)
         assert len({e["request_id"] for e in evaluations}) >= 24
-        assert hook.posts, "the controller never called the webhook"
+        # ... and the controller, once it leads, calls the webhook on a phase change: its own decision,
+        # or, when the judge has not decided yet (it needs no particular speed here), an operator's
+        # promote that it follows (a change made before any controller leads is nobody's to notify)
+        control_url = f"http://127.0.0.1:{control_port}"
+        while (metric_value(scrape(control_url), "modelcanary_controller_leader") < 1
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        assert metric_value(scrape(control_url), "modelcanary_controller_leader") == 1, "the controller never led"
+        if not hook.called.is_set():
+            promoted = http(proxy.url + f"/admin/rollouts/{ROUTE}/promote", "POST",
+                            headers={"Authorization": f"Bearer {secrets['admin token']}"})
+            assert promoted[0] in (200, 409), promoted  # 409: the controller ended the rollout meanwhile
+        assert hook.called.wait(60), "the controller never called the webhook"
 
         # report and status, token given on the command line
         report = subprocess.run(CLI + ["report", ROUTE, "--url", proxy.url, "--token", secrets["admin token"],
@@ -301,7 +316,7 @@ def test_planted_secrets_appear_in_no_output(kafka_broker, servers, tmp_path):
         assert len(spans) >= 40  # live and shadow spans were exported
 
         outputs: dict[str, str] = {}
-        for topic in ("outcomes", "traffic", "evaluations", "rollouts"):
+        for topic in ("outcomes", "traffic", "evaluations", "rollouts", "reports", "control"):
             records = read_topic(kafka_broker.bootstrap, f"{prefix}.{topic}", timeout_s=10)
             assert records, topic
             outputs[f"kafka {topic}"] = json.dumps(records)

@@ -1,19 +1,28 @@
-"""Evaluators and shadow statistics, in process: answer normalisation, the judge's strict parsing,
-and ShadowStats' intervals, de-duplication and examples."""
+"""Evaluators and shadow statistics, in process: semantic agreement with its noise floor, the
+pairwise judge (both orders, strict parsing), stability by similarity, and ShadowStats' intervals,
+de-duplication and examples."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import re
 import time
 
 import pytest
 
 from collectors.evaluators import AgreementEvaluator, JudgeEvaluator, StabilityEvaluator, VerifiersEvaluator
-from collectors.evaluators.answers import agrees, answer_key, canonical_json, normalize_text
+from collectors.evaluators.agreement import measure
 from collectors.evaluators.base import EvalContext, ShadowCall
-from collectors.evaluators.llm_judge import JUDGEMENT_SCHEMA, judge_request, parse_judgement
+from collectors.evaluators.llm_judge import (
+    PROMPT_VERSION,
+    VERDICT_SCHEMA,
+    pairwise_request,
+    parse_verdict,
+    repro_params,
+)
+from collectors.similarity import local_embedder
 from collectors.worker import shadow_body
 from service.config import parse_config
 from service.judge.shadow_report import ShadowStats, newcombe, quantile_interval, wilson
@@ -23,8 +32,11 @@ from service.records import (
     CandidateResult,
     EvaluationRecord,
     EvaluationResult,
+    PairwiseJudgement,
     PrimaryResult,
     Repro,
+    Similarity,
+    Stability,
     TrafficEvent,
 )
 
@@ -38,45 +50,6 @@ def text(content: str | None, **message) -> dict:
 
 def tool(name: str, arguments: str, call_id: str = "call_1") -> dict:
     return text(None, tool_calls=[{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}])
-
-
-# ---- agreement -------------------------------------------------------------------------------------
-
-
-def test_text_normalisation():
-    assert normalize_text("  Hello,\n\tWORLD.  ") == "hello, world"
-    assert normalize_text("Ｆｕｌｌｗｉｄｔｈ") == "fullwidth"  # NFKC
-    assert agrees(text("The answer is 42."), text("the answer  is 42"))
-    assert not agrees(text("The answer is 42."), text("The answer is 43."))
-    assert agrees(text([{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]), text("hi there!"))
-
-
-def test_canonical_json_equality():
-    assert canonical_json({"b": 1.0, "a": [1, {"y": 2, "x": 1}]}) == '{"a":[1,{"x":1,"y":2}],"b":1}'
-    assert agrees(text('{"a": 1, "b": [1, 2]}'), text('{\n  "b": [1, 2.0],\n  "a": 1\n}'))
-    assert agrees(text('```json\n{"a": 1}\n```'), text('{"a":1}'))
-    assert not agrees(text('{"a": 1, "b": [1, 2]}'), text('{"a": 1, "b": [2, 1]}'))
-    assert not agrees(text('{"a": "1"}'), text('{"a": 1}'))
-    # JSON never equals text that merely looks alike
-    assert answer_key(text('{"a": 1}'))[0] == "json"
-    assert answer_key(text("{not json"))[0] == "text"
-
-
-def test_tool_calls_compare_by_name_and_canonical_arguments():
-    assert agrees(tool("lookup", '{"id": 7, "q": "x"}', "call_a"), tool("lookup", '{"q":"x","id":7.0}', "call_b"))
-    assert not agrees(tool("lookup", '{"id": 7}'), tool("search", '{"id": 7}'))
-    assert not agrees(tool("lookup", '{"id": 7}'), tool("lookup", '{"id": 8}'))
-    assert not agrees(tool("lookup", '{"id": 7}'), text('{"id": 7}'))
-    # malformed arguments compare as raw text, and never equal the valid ones
-    assert not agrees(tool("lookup", '{"id": 7'), tool("lookup", '{"id": 7}'))
-    legacy = text(None, function_call={"name": "lookup", "arguments": '{"id":7}'})
-    assert agrees(legacy, tool("lookup", '{ "id": 7 }'))
-
-
-def test_refusal_and_missing_answers():
-    assert not agrees(text(None, refusal="I can't help with that."), text("I can't help with that."))
-    assert agrees(None, text("x")) is None
-    assert agrees({"choices": []}, text("x")) is None
 
 
 def test_shadow_body_is_never_streamed_and_names_the_upstream_model():
@@ -99,29 +72,49 @@ CONFIG = parse_config({
 
 
 class ScriptedCaller:
-    """Answers shadow calls from a script (the judge's and stability's upstream)."""
+    """Answers shadow calls from a script per model key (the judge's and stability's upstream)."""
 
-    def __init__(self, answers: list[dict | None]):
-        self.answers = list(answers)
+    def __init__(self, answers: dict[str, list[dict | None]] | list[dict | None]):
+        self.answers = answers if isinstance(answers, dict) else {"*": list(answers)}
         self.bodies: list[dict] = []
+        self.models: list[str] = []
 
     async def call(self, route, model_key, body, checks=None):
         self.bodies.append(body)
-        response = self.answers.pop(0)
+        self.models.append(model_key)
+        script = self.answers.get(model_key, self.answers.get("*"))
+        response = script.pop(0)
         verdict = COMPLETED if response is not None else failed("provider_5xx")
         return ShadowCall(model_key, verdict, response=response, status=200 if response else 500)
 
 
+class RuleJudge:
+    """A judge model that answers every pairwise prompt by a rule on the two answers it is shown."""
+
+    def __init__(self, rule):
+        self.rule = rule  # (answer A's content, answer B's content) -> "A" | "B" | "tie" | raw reply text
+        self.calls = 0
+
+    async def call(self, route, model_key, body, checks=None):
+        self.calls += 1
+        user = body["messages"][1]["content"]
+        m = re.match(r"Conversation:\n.*\n\nAnswer A:\n(.*)\n\nAnswer B:\n(.*)\Z", user, re.DOTALL)
+        a, b = (json.loads(m.group(k))["content"] for k in (1, 2))
+        out = self.rule(a, b)
+        content = out if out not in ("A", "B", "tie") else json.dumps({"winner": out, "reason": "rule"})
+        return ShadowCall(model_key, COMPLETED, response=text(content), status=200)
+
+
 def context(candidate: dict | None, verdict=COMPLETED, live: dict | None = None, again: dict | None = None,
-            caller=None) -> EvalContext:
-    request = {"model": "r", "messages": [{"role": "user", "content": "hi"}]}
+            caller=None, request: dict | None = None) -> EvalContext:
+    request = request or {"model": "r", "messages": [{"role": "user", "content": "hi"}]}
     event = TrafficEvent(request_id="rid-1", ts=time.time(), route="r", segment="chat", request=request,
                          primary=PrimaryResult(model="s", status=200, body=live, latency_s=0.1, outcome="completed"),
                          config_version="v")
     return EvalContext(config=CONFIG, route="r", route_cfg=CONFIG.routes["r"], event=event, request=request,
                        live=live, candidate=ShadowCall("c", verdict, response=candidate),
                        stable_again=ShadowCall("s", COMPLETED, response=again) if again is not None else None,
-                       caller=caller or ScriptedCaller([]))
+                       caller=caller or ScriptedCaller([]), embedder=local_embedder())
 
 
 def run(coro):
@@ -137,60 +130,106 @@ def test_verifiers_reports_the_shared_verdict():
     assert not ev.selected(context(None, verdict=failed("rate_limited")))
 
 
-def test_agreement_evaluator_and_noise_floor():
-    ctx = context(text("A."), live=text("a"), again=text("b"))
+def test_agreement_is_similarity_against_the_noise_floor():
+    ctx = context(text("Paris is the capital of France."), live=text("The capital of France is Paris."),
+                  again=text("I like green apples and long walks."))
     result = run(AgreementEvaluator().evaluate(ctx))
-    assert result.passed is True and "stable-again disagrees" in result.detail
-    from collectors.evaluators.agreement import compare
-    assert compare(ctx) == Agreement(candidate_vs_stable=True, stable_vs_stable=False)
-    assert compare(context(text("a"), live=text("a"))).stable_vs_stable is None
+    sim = run(measure(ctx)).similarity
+    assert sim.candidate_vs_stable > 0.8 > sim.stable_vs_stable  # a paraphrase agrees; an unrelated answer not
+    assert result.passed is True and result.score == sim.candidate_vs_stable
+    assert run(measure(ctx)).agreement == Agreement(candidate_vs_stable=True, stable_vs_stable=False)
+    assert run(measure(context(text("a"), live=text("a")))).agreement.stable_vs_stable is None
+    # structural kinds: JSON by leaves (one wrong field of two costs half), tool calls by name, refusal 0
+    json_request = {"model": "r", "messages": [], "response_format": {"type": "json_object"}}
+    half = run(measure(context(text('{"a": 1, "b": 2}'), live=text('{"b": 2, "a": 3}'), request=json_request)))
+    assert half.similarity.candidate_vs_stable == 0.5 and half.agreement.candidate_vs_stable is False
+    other_tool = run(measure(context(tool("search", "{}"), live=tool("lookup", "{}"))))
+    assert other_tool.similarity.candidate_vs_stable == 0.0
+    refused = run(measure(context(text(None, refusal="I can't help."), live=text("Sure, here it is."))))
+    assert refused.similarity.candidate_vs_stable == 0.0
 
 
-def judge_answer(content: str) -> dict:
-    return text(content)
+def test_agreement_threshold_is_configurable():
+    cfg = parse_config({**CONFIG.model_dump(), "routes": {"r": {"stable": "s", "candidate": "c",
+                                                                 "shadow": {"similarity": {"agree_at": 0.99}}}}})
+    ctx = context(text("France's capital city is Paris."), live=text("The capital of France is Paris."))
+    ctx.route_cfg = cfg.routes["r"]
+    m = run(measure(ctx))
+    assert 0.8 < m.similarity.candidate_vs_stable < 0.99 and m.agreement.candidate_vs_stable is False
 
 
 @pytest.mark.parametrize("content, problem", [
     ("not json at all", "not JSON"),
-    ('{"score": 1.2, "reason": "too high"}', "schema"),
-    ('{"score": "0.9", "reason": "string score"}', "schema"),
-    ('{"score": true, "reason": "bool score"}', "score"),
-    ('{"score": 0.9}', "schema"),
-    ('{"score": 0.9, "reason": "ok", "extra": 1}', "schema"),
+    ('{"winner": "C", "reason": "no such answer"}', "schema"),
+    ('{"winner": "A"}', "schema"),
+    ('{"winner": "A", "reason": "ok", "extra": 1}', "schema"),
+    ('["A"]', "schema"),
     ("", "empty"),
 ])
-def test_malformed_judge_answer_is_an_error_never_a_pass(content, problem):
-    caller = ScriptedCaller([judge_answer(content)])
-    result = run(JudgeEvaluator().evaluate(context(text("x"), caller=caller)))
+def test_malformed_judge_answer_is_an_error_never_a_win(content, problem):
+    judge = RuleJudge(lambda a, b: content)
+    ctx = context(text("x"), live=text("y"), caller=judge)
+    result = run(JudgeEvaluator().evaluate(ctx))
     assert result.passed is None and result.score is None
     assert "malformed judge answer" in result.detail and problem in result.detail
+    assert ctx.extra["judge"].record() == PairwiseJudgement(result=None, noise=None)
 
 
-def test_judge_request_and_good_answer():
-    caller = ScriptedCaller([judge_answer('{"score": 0.8, "reason": "fine"}'), judge_answer('{"score": 0, "reason": "bad"}')])
-    good = run(JudgeEvaluator().evaluate(context(tool("lookup", "{}"), caller=caller)))
-    assert (good.passed, good.score, good.detail) == (True, 0.8, "fine")
-    body = caller.bodies[0]
-    assert body["response_format"]["json_schema"]["schema"] == JUDGEMENT_SCHEMA
-    assert "Rubric:" in body["messages"][0]["content"] and "lookup" in body["messages"][1]["content"]
-    low = run(JudgeEvaluator().evaluate(context(text("x"), caller=caller)))
-    assert (low.passed, low.score) == (False, 0.0)
-    failed_call = run(JudgeEvaluator().evaluate(context(text("x"), caller=ScriptedCaller([None]))))
-    assert failed_call.passed is None and "judge call failed" in failed_call.detail
-    assert parse_judgement(None) == "no answer"
-    assert judge_request("r", {"messages": [{"role": "user", "content": "x" * 100_000}]}, None)["messages"][1][
-        "content"].count("characters cut") == 1
+def right_wins(a: str, b: str) -> str:
+    return "A" if "right" in a and "right" not in b else "B" if "right" in b and "right" not in a else "tie"
 
 
-def test_stability_majority():
-    caller = ScriptedCaller([text("a"), text("b")])
-    result = run(StabilityEvaluator().evaluate(context(text("A"), caller=caller)))
-    assert result.passed is True and result.score == pytest.approx(2 / 3)
-    caller = ScriptedCaller([text("b"), text("c")])
-    result = run(StabilityEvaluator().evaluate(context(text("a"), caller=caller)))
-    assert result.passed is False and result.score == pytest.approx(1 / 3)
+def test_pairwise_judge_in_both_orders_with_its_noise_floor():
+    judge = RuleJudge(right_wins)
+    ctx = context(text("the right answer"), live=text("a wrong answer"), again=text("another wrong answer"),
+                  caller=judge)
+    result = run(JudgeEvaluator().evaluate(ctx))
+    assert judge.calls == 4  # candidate and stable-again, each in both orders
+    assert ctx.extra["judge"].record() == PairwiseJudgement(result="win", noise="tie")
+    assert (result.passed, result.score) == (True, 1.0)
+    ctx = context(text("a wrong answer"), live=text("the right answer"), caller=RuleJudge(right_wins))
+    result = run(JudgeEvaluator().evaluate(ctx))
+    assert ctx.extra["judge"].record() == PairwiseJudgement(result="loss", noise=None)
+    assert (result.passed, result.score) == (False, 0.0)
+
+
+def test_a_preference_that_flips_with_the_order_is_a_tie():
+    first_position = RuleJudge(lambda a, b: "A")  # always prefers whatever it sees first
+    ctx = context(text("the right answer"), live=text("a wrong answer"), again=text("x"), caller=first_position)
+    result = run(JudgeEvaluator().evaluate(ctx))
+    assert ctx.extra["judge"].record() == PairwiseJudgement(result="tie", noise="tie")
+    assert result.score == 0.5
+
+
+def test_judge_request_and_failed_calls():
     caller = ScriptedCaller([None, None])
-    assert run(StabilityEvaluator().evaluate(context(text("a"), caller=caller))).passed is None
+    result = run(JudgeEvaluator().evaluate(context(tool("lookup", "{}"), live=text("y"), caller=caller)))
+    assert result.passed is None and "judge call failed" in result.detail
+    body = caller.bodies[0]
+    assert body["response_format"]["json_schema"]["schema"] == VERDICT_SCHEMA and body["temperature"] == 0
+    assert "Rubric:" in body["messages"][0]["content"] and "lookup" in body["messages"][1]["content"]
+    with pytest.raises(ValueError, match="no answer"):
+        parse_verdict(None)
+    long = pairwise_request("r", {"messages": [{"role": "user", "content": "x" * 100_000}]}, None, None)
+    assert long["messages"][1]["content"].count("characters cut") == 1
+    params = repro_params(CONFIG.routes["r"].shadow.judge)
+    assert params["judge_model"] == "j" and params["judge_prompt_version"] == PROMPT_VERSION
+    assert params["judge_params"] == {"temperature": 0} and len(params["judge_rubric_sha256"]) == 12
+
+
+def test_stability_is_mean_pairwise_similarity_for_both_models():
+    paraphrases = [text("The capital of France is Paris."), text("Paris is the capital of France."),
+                   text("France's capital city is Paris.")]
+    scattered = [text("I like green apples."), text("The train leaves at noon.")]
+    caller = ScriptedCaller({"c": paraphrases[1:], "s": scattered[1:]})
+    ctx = context(paraphrases[0], live=scattered[0], again=text("Quantum physics is hard."), caller=caller)
+    result = run(StabilityEvaluator().evaluate(ctx))
+    stab: Stability = ctx.extra["stability"]
+    assert caller.models.count("c") == 2 and caller.models.count("s") == 1  # live and stable-again count
+    assert stab.candidate > 0.8 > stab.stable
+    assert result.passed is True and result.score == stab.candidate
+    caller = ScriptedCaller({"c": [None, None], "s": [None, None]})
+    assert run(StabilityEvaluator().evaluate(context(text("a"), live=text("b"), caller=caller))).passed is None
 
 
 # ---- intervals -------------------------------------------------------------------------------------
@@ -300,3 +339,39 @@ def test_report_tables_render():
     console.print(failures_table(stats.summary()))
     out = console.export_text()
     assert "overall" in out and "refusal" in out and "r0, r1" in out
+
+
+def test_quality_summary_per_segment():
+    from rich.console import Console
+
+    from service.judge.quality import quality_table
+    from service.judge.shadow_report import shadow_table
+
+    stats = ShadowStats(route="r")
+    for i in range(40):
+        rec = record(i, segment="tools" if i % 2 else "chat")
+        rec.similarity = Similarity(candidate_vs_stable=0.6 if i % 2 else 0.9, stable_vs_stable=0.9)
+        rec.judge = PairwiseJudgement(result="loss" if i % 4 == 1 else "tie", noise="tie")
+        if i % 10 == 0:
+            rec.stability = Stability(candidate=0.8, stable=0.85)
+        rec.evaluations = [EvaluationResult(name="judge", version="2", passed=True, score=0.5)]
+        stats.add(rec)
+    broken = record(99, segment="chat")
+    broken.evaluations = [EvaluationResult(name="judge", version="2", passed=None, detail="malformed judge answer")]
+    stats.add(broken)
+    s = stats.summary()
+    tools, chat = s["segments"]["tools"]["quality"], s["segments"]["chat"]["quality"]
+    assert tools["similarity"]["gap"]["value"] == pytest.approx(-0.3) and tools["similarity"]["gap"]["n"] == 20
+    assert chat["similarity"]["gap"]["value"] == pytest.approx(0.0)
+    assert tools["judge"]["candidate"]["loss"] == 10 and tools["judge"]["candidate"]["tie"] == 10
+    assert tools["judge"]["candidate"]["preference"]["value"] == pytest.approx(-0.5)
+    assert tools["judge"]["gap"]["interval"][1] < 0
+    assert chat["judge"]["candidate"]["error"] == 1 and chat["judge"]["gap"]["value"] == 0.0
+    assert s["segments"]["chat"]["quality"]["stability"]["gap"]["value"] == pytest.approx(-0.05)
+    assert s["segments"]["overall"]["quality"]["similarity"]["candidate_vs_stable"]["n"] == 40
+    console = Console(record=True, width=300)
+    console.print(shadow_table(s))
+    console.print(quality_table(s))
+    out = console.export_text()
+    assert "−0.300" in out or "-0.300" in out
+    assert "10/10/10" not in out and "0/10/10" in out  # tools: win/tie/loss

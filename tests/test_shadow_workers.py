@@ -40,8 +40,9 @@ def sim(tmp_path_factory):
         "same-model": sim_model(0.05),
         "far-model": sim_model(0.3),
         "tools-bad-model": sim_model(0.05, segments={"tools": {"failures": {"invalid_tool_call": 0.5}}}),
-        "judge-model": sim_model(0.0),
-        "broken-judge": sim_model(0.0, failures={"invalid_json": 1.0}),
+        "judge-model": sim_model(0.0, judge=True),
+        "broken-judge": sim_model(0.0, judge=True, failures={"invalid_json": 1.0}),
+        "wrong-multi-turn": sim_model(0.05, segments={"multi_turn": {"wrong_content": 0.5}}),
     }
     server = start_simulator(tmp, {"seed": 11, "time_scale": 0.0, "models": models})
     yield server
@@ -58,9 +59,11 @@ def make_config(sim_url: str, candidate_upstream: str, concurrency: int = 1, **s
             "candidate-m": {"provider": "sim", "name": candidate_upstream, "price": price_c},
             "judge-m": {"provider": "sim", "name": "judge-model"},
             "broken-judge-m": {"provider": "sim", "name": "broken-judge"},
+            "embed-m": {"provider": "sim", "name": "good-model"},
         },
         "routes": {ROUTE: {"stable": "stable-m", "candidate": "candidate-m",
-                           "shadow": {"sample_rate": 1.0, "noise_floor": True, **shadow}},
+                           "shadow": {"sample_rate": 1.0, "noise_floor": True, "stability": {"sample_rate": 0.0},
+                                      **shadow}},
                    "no-candidate": {"stable": "stable-m"}},
         "collect": {"concurrency": concurrency},
     })
@@ -143,6 +146,9 @@ def test_records_metrics_dedup_and_skips(sim):
     config = make_config(sim.url, "same-model", concurrency=8)
     before = {
         "requests": value("modelcanary_shadow_requests_total", route=ROUTE, model="candidate-m", outcome="completed"),
+        "similarity": value("modelcanary_shadow_similarity_count", route=ROUTE, model="candidate-m",
+                            comparison="candidate")
+        + value("modelcanary_shadow_similarity_count", route=ROUTE, model="stable-m", comparison="noise_floor"),
         "agree": sum(value("modelcanary_shadow_agreement_total", route=ROUTE, model=m, comparison=c, result=r)
                      for m, c in (("candidate-m", "candidate"), ("stable-m", "noise_floor"))
                      for r in ("agree", "disagree")),
@@ -167,18 +173,24 @@ def test_records_metrics_dedup_and_skips(sim):
         e = by_id[r.request_id]
         assert r.route == ROUTE and r.segment == e.segment
         assert (r.stable_model, r.candidate_model) == ("stable-m", "candidate-m")
-        assert r.candidate.outcome == "completed" and r.candidate.latency_s > 0
+        assert r.candidate.outcome == "completed"
+        assert r.candidate.latency_s is None or r.candidate.latency_s > 0  # None: measured on a saturated loop
         usage = r.candidate.usage
         assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
         assert r.candidate.cost_usd == pytest.approx((usage["prompt_tokens"] * 0.2 + usage["completion_tokens"] * 0.8) / 1e6)
         assert r.stable_latency_s == e.primary.latency_s
         assert r.stable_cost_usd == pytest.approx((e.primary.usage["prompt_tokens"] * 0.4
                                                    + e.primary.usage["completion_tokens"] * 1.6) / 1e6)
-        assert r.agreement.candidate_vs_stable is not None and r.agreement.stable_vs_stable is not None
+        sim, agree = r.similarity, r.agreement
+        assert 0.0 <= sim.candidate_vs_stable <= 1.0 and 0.0 <= sim.stable_vs_stable <= 1.0
+        assert agree.candidate_vs_stable == (sim.candidate_vs_stable >= 0.8)  # agree_at, the default
+        assert agree.stable_vs_stable == (sim.stable_vs_stable >= 0.8)
         assert {ev.name for ev in r.evaluations} == {"verifiers", "agreement"}
         assert r.repro.modelcanary_version and r.repro.config_version == config.version()
-        assert r.repro.evaluator_versions == {"verifiers": "1", "agreement": "1"}
+        assert r.repro.evaluator_versions == {"verifiers": "1", "agreement": "2"}
         assert r.repro.params["candidate_upstream"] == "same-model"
+        assert r.repro.params["similarity"]["backend"] == "local" and r.repro.params["similarity"]["agree_at"] == 0.8
+        assert r.judge.result is None and r.stability.candidate is None  # not configured
     segments = {r.segment for r in records}
     assert segments == {"chat", "json", "tools"}
     after_requests = value("modelcanary_shadow_requests_total", route=ROUTE, model="candidate-m", outcome="completed")
@@ -186,10 +198,34 @@ def test_records_metrics_dedup_and_skips(sim):
     agree = sum(value("modelcanary_shadow_agreement_total", route=ROUTE, model=m, comparison=c, result=r)
                 for m, c in (("candidate-m", "candidate"), ("stable-m", "noise_floor")) for r in ("agree", "disagree"))
     assert agree - before["agree"] == 60
+    similarity = value("modelcanary_shadow_similarity_count", route=ROUTE, model="candidate-m", comparison="candidate") \
+        + value("modelcanary_shadow_similarity_count", route=ROUTE, model="stable-m", comparison="noise_floor")
+    assert similarity - before["similarity"] == 60
     assert value("modelcanary_shadow_evaluations_total", route=ROUTE, model="candidate-m", evaluator="verifiers",
                  result="pass") - before["verifiers"] == 30
     assert value("modelcanary_shadow_dropped_total", route="no-candidate", reason="error") - before["dropped"] == 1
     assert value("modelcanary_shadow_dropped_total", route="nowhere", reason="error") >= 1
+
+
+def test_a_latency_measured_while_the_worker_loop_is_busy_is_not_recorded():
+    from collectors.worker import LoopLag
+
+    async def go():
+        lag = LoopLag()
+        monitor = asyncio.create_task(lag.run())
+        await asyncio.sleep(0.02)
+        before = lag.total
+        await asyncio.sleep(0.02)  # an idle loop: a call of 0.5 s is measured (a small lag is tolerated)
+        idle = lag.trusted(0.5, before)
+        before = lag.total
+        time.sleep(0.3)  # the loop busy with other work (scoring a backlog, say) for 300 ms
+        await asyncio.sleep(0.01)
+        busy = lag.trusted(0.35, before)
+        monitor.cancel()
+        return idle, busy, lag.total - before
+
+    idle, busy, lag_while_busy = asyncio.run(go())
+    assert idle and not busy and lag_while_busy >= 0.25
 
 
 def agreement_rows(records: list[EvaluationRecord]) -> dict:
@@ -205,8 +241,14 @@ def test_noise_floor_same_divergence_within_and_far_candidate_clearly_below(sim)
         events = await live_traffic(config, bodies(300, kinds=("chat",), tag=tag), tag)
         return await shadow(config, events)
 
-    same = agreement_rows(asyncio.run(go("same-model", "nf-same")))["segments"]["overall"]["agreement"]
-    far = agreement_rows(asyncio.run(go("far-model", "nf-far")))["segments"]["overall"]["agreement"]
+    same_rows = agreement_rows(asyncio.run(go("same-model", "nf-same")))["segments"]["overall"]
+    far_rows = agreement_rows(asyncio.run(go("far-model", "nf-far")))["segments"]["overall"]
+    same, far = same_rows["agreement"], far_rows["agreement"]
+    # the similarity behind it: paired per request, the same model's gap is nil, the far one's is not
+    same_gap = same_rows["quality"]["similarity"]["gap"]
+    assert same_gap["n"] >= 290 and same_gap["interval"][0] < 0 < same_gap["interval"][1]
+    assert same_rows["quality"]["similarity"]["noise_floor"]["value"] > 0.85  # rephrased, same content
+    assert far_rows["quality"]["similarity"]["gap"]["interval"][1] < -0.05
     for a in (same, far):
         assert a["candidate_vs_stable"]["n"] >= 290 and a["noise_floor"]["n"] >= 290
     # divergence 0.05 on both sides: agreement ≈ 0.95², the floor too. "Within the noise floor" in the
@@ -260,16 +302,28 @@ def test_judge_and_stability_evaluators(sim):
 
     before_error = value("modelcanary_shadow_evaluations_total", route=ROUTE, model="candidate-m", evaluator="judge",
                          result="error")
+    judge_models = {"candidate": "candidate-m", "noise_floor": "stable-m"}
+    before_judged = {c: sum(value("modelcanary_shadow_judge_total", route=ROUTE, model=m, comparison=c, result=v)
+                            for v in ("win", "tie", "loss", "error")) for c, m in judge_models.items()}
     good = asyncio.run(go("judge-m", "judge-ok"))
     assert len(good) == 12
     for r in good:
         results = {e.name: e for e in r.evaluations}
         judge = results["judge"]
-        assert judge.passed is not None and 0.0 <= judge.score <= 1.0, judge
+        assert judge.passed is not None and judge.score in (0.0, 0.5, 1.0), judge
+        assert r.judge.result in ("win", "tie", "loss") and r.judge.noise in ("win", "tie", "loss")
         stab = results["stability"]
-        assert stab.passed is not None and 1 / 3 <= stab.score <= 1.0
+        assert stab.passed is not None and 0.0 <= stab.score <= 1.0
+        assert 0.0 <= r.stability.candidate <= 1.0 and 0.0 <= r.stability.stable <= 1.0
         assert r.repro.params["judge_model"] == "judge-m" and r.repro.params["stability_k"] == 3
+        assert r.repro.params["judge_prompt_version"] == "pairwise-1" and r.repro.params["judge_mode"] == "pairwise"
         assert r.repro.evaluator_versions.keys() == {"verifiers", "agreement", "stability", "judge"}
+    # the same content in other words: mostly ties (a divergent answer loses)
+    assert sum(r.judge.result == "tie" for r in good) >= 8
+    for c, m in judge_models.items():
+        judged = sum(value("modelcanary_shadow_judge_total", route=ROUTE, model=m, comparison=c, result=v)
+                     for v in ("win", "tie", "loss", "error"))
+        assert judged - before_judged[c] == 12
 
     broken = asyncio.run(go("broken-judge-m", "judge-bad"))
     assert len(broken) == 12
@@ -280,6 +334,47 @@ def test_judge_and_stability_evaluators(sim):
     after_error = value("modelcanary_shadow_evaluations_total", route=ROUTE, model="candidate-m", evaluator="judge",
                         result="error")
     assert after_error - before_error == 12
+    assert all(r.judge.result is None and r.judge.noise is None for r in broken)  # an error, never a win
+
+
+def multi_turn_bodies(n: int, tag: str) -> list[dict]:
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "my order"}, {"role": "assistant", "content": "which one?"}]
+    return [{"model": ROUTE, "messages": [*turns, {"role": "user", "content": f"{tag} {i}: order {i}"}]}
+            for i in range(n)]
+
+
+def test_the_judge_finds_fluent_wrong_answers_that_similarity_misses(sim):
+    """A candidate that states one wrong fact in half its multi-turn answers: the embedding similarity
+    barely moves (same subjects, same wording), the pairwise judge sees the losses, in that segment only."""
+    async def go():
+        config = make_config(sim.url, "wrong-multi-turn", concurrency=8, judge={"model": "judge-m"})
+        events = await live_traffic(config, multi_turn_bodies(60, "wrong") + bodies(60, kinds=("chat",), tag="ok"),
+                                    "wrong")
+        return await shadow(config, events)
+
+    rows = agreement_rows(asyncio.run(go()))["segments"]
+    multi, chat = rows["multi_turn"]["quality"], rows["chat"]["quality"]
+    assert multi["judge"]["candidate"]["loss"] >= 15 and multi["judge"]["gap"]["interval"][1] < 0
+    assert chat["judge"]["gap"]["interval"][0] < 0 < chat["judge"]["gap"]["interval"][1] or \
+        chat["judge"]["gap"]["value"] == 0
+    # half the answers lose: the judge's gap is about −0.5, the similarity gap a few hundredths
+    assert multi["judge"]["gap"]["value"] < -0.3 and multi["similarity"]["gap"]["value"] > -0.1
+
+
+def test_similarity_from_an_embeddings_model(sim):
+    """`shadow.similarity.backend: model`: the embeddings come from a `models:` entry's /v1/embeddings."""
+    async def go():
+        config = make_config(sim.url, "same-model", similarity={"backend": "model", "model": "embed-m"})
+        events = await live_traffic(config, bodies(6, kinds=("chat",), tag="embed"), "embed")
+        return await shadow(config, events)
+
+    records = asyncio.run(go())
+    assert len(records) == 6
+    for r in records:
+        assert r.repro.params["similarity"]["backend"] == "model"
+        assert r.repro.params["similarity"]["model"] == "good-model"
+        assert r.similarity.candidate_vs_stable is not None and r.similarity.stable_vs_stable is not None
 
 
 LIVE_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -335,7 +430,7 @@ def test_embedded_mode_serve_runs_the_workers_and_reports_the_shadow_matrix(serv
     sim = servers.simulator(sim_config())
     cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100_000},
                        rollout={"mode": "advisory"})
-    cfg["control"] = {"interval_s": 0.5}
+    cfg["control"] = {"interval_s": 0.5, "report_interval_s": 1.0}
     proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": token})
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
     n = 24
@@ -398,3 +493,64 @@ def test_shadow_calls_use_the_providers_key_only(servers, monkeypatch):
     assert {(r.candidate.outcome, r.candidate.cause, r.candidate.blame) for r in records} == {
         ("failed", "auth_error", "client")}
     assert all(r.evaluations == [] and r.agreement.candidate_vs_stable is None for r in records)
+
+
+def test_every_shadow_call_spends_the_hourly_cap(sim):
+    """Candidate, noise floor, LLM judge and stability calls all count against `max_usd_per_hour`, in
+    the worker that makes them: the cap here would hold the candidate and noise-floor calls of every
+    request, but the judge's and stability's calls spend it early, and the rest are budget drops."""
+    from collectors.worker import ShadowWorker
+
+    n = 8
+    per_token = {"input_per_mtok": 1e6, "output_per_mtok": 0.0}  # $1 per prompt token, exact from usage
+
+    def config(cap: float | None) -> Config:
+        cfg = make_config(sim.url, "same-model", judge={"model": "judge-m"},
+                          stability={"sample_rate": 1.0, "k": 3}, max_usd_per_hour=cap).model_dump(exclude_unset=True)
+        for key in ("stable-m", "candidate-m", "judge-m"):
+            cfg["models"][key]["price"] = per_token
+        return parse_config(cfg)
+
+    async def go():
+        events = await live_traffic(config(None), bodies(n, kinds=("chat",), tag="spend"), "spend")
+        assert len(events) == n
+        base = sum(2.0 * e.primary.usage["prompt_tokens"] for e in events)  # candidate + noise floor, all n
+        cfg = config(base + 0.5)
+        providers = make_providers(cfg)
+        worker = ShadowWorker(cfg, MemoryBus(), providers)
+        records, spent = [], [0.0]  # spent[i]: the spend before event i
+        try:
+            for e in events:
+                records.append(await worker.handle(e))
+                spent.append(worker.client.spend.spent(ROUTE))
+        finally:
+            for p in providers.values():
+                await p.close()
+        return cfg, records, spent
+
+    before = value("modelcanary_shadow_dropped_total", route=ROUTE, reason="budget")
+    cfg, records, spent = asyncio.run(go())
+    cap = cfg.routes[ROUTE].shadow.max_usd_per_hour
+    done = [r for r in records if r is not None]
+    drops = value("modelcanary_shadow_dropped_total", route=ROUTE, reason="budget") - before
+    assert 1 <= len(done) < n and drops == n - len(done), (len(done), drops)
+    for i, r in enumerate(records):  # an evaluation starts only while the last hour's spend is under the cap
+        assert (r is not None) == (spent[i] < cap), (i, spent[i], cap)
+    for r in done:
+        assert {e.name for e in r.evaluations} >= {"judge", "stability"}
+    live_calls = sum(r.candidate.cost_usd + r.stable_again.cost_usd for r in done)
+    assert spent[-1] > live_calls  # the judge's and stability's calls were counted too
+
+
+def test_the_spend_cap_slides_over_the_last_hour():
+    from collectors.spend import OverBudget, SpendCap
+
+    cap = SpendCap(make_config("http://127.0.0.1:1", "same-model", max_usd_per_hour=1.0))
+    cap.add(ROUTE, 0.6, now=100.0)
+    cap.check(ROUTE, now=200.0)
+    cap.add(ROUTE, 0.5, now=1900.0)
+    with pytest.raises(OverBudget, match="shadow.max_usd_per_hour"):
+        cap.check(ROUTE, now=1900.0)
+    assert cap.spent(ROUTE, now=3700.0) == pytest.approx(0.5)  # the first call is more than an hour old
+    cap.check(ROUTE, now=3700.0)
+    cap.check("no-candidate", now=3700.0)  # no cap on that route

@@ -21,6 +21,7 @@ import yaml
 from service.config import ConfigError
 from service.simulator.config import FAILURE_KINDS, load_simulator_config
 from service.simulator.engine import REFUSAL_TEXT, InstanceGenerator
+from service.simulator.facts import read_facts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +37,9 @@ MAIN_CONFIG = {
         "seg": {"segments": {"tools": {"failures": {"invalid_tool_call": 1.0}},
                              "billing": {"failures": {"refusal": 1.0}}}},
         "ctx": {"context_tokens": 10},
+        "wrong": {"segments": {"billing": {"wrong_content": 1.0}}},
+        "judge": {"judge": True},
+        "noisy-judge": {"judge": True, "judge_error": 0.3},
         "mixed": {"divergence": 0.2, "failures": {"rate_limited": 0.1, "provider_5xx": 0.1, "truncated": 0.1,
                                                   "refusal": 0.1}},
         **FAILURE_MODELS,
@@ -146,11 +150,22 @@ def msgs(text: str) -> list[dict]:
 
 
 def answer_of(resp: dict) -> tuple:
-    """What agreement compares: the choice's content, refusal, tool calls and finish reason."""
+    """The choice as sent: its content, refusal, tool calls and finish reason."""
     choice = resp["choices"][0]
     m = choice["message"]
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
     return m["content"], m["refusal"], tuple(calls), choice["finish_reason"]
+
+
+def content_of(resp: dict) -> tuple:
+    """What the choice means, whatever its wording: the facts its text states (or its JSON value),
+    refusal, tool calls with parsed arguments, and finish reason."""
+    content, refusal, calls, finish = answer_of(resp)
+    try:
+        meaning = json.dumps(json.loads(content), sort_keys=True) if content else content
+    except ValueError:
+        meaning = tuple(read_facts(content))
+    return meaning, refusal, tuple((n, json.dumps(json.loads(a), sort_keys=True)) for n, a in calls), finish
 
 
 @pytest.fixture(scope="module")
@@ -261,22 +276,31 @@ def test_context_length_exceeded(client):
 # ---------------------------------------------------------------- determinism and divergence
 
 
-def test_models_agree_without_divergence(client):
+def test_models_share_content_and_rephrase_it(client):
+    reworded = 0
     for i in range(20):
         prompt = msgs(f"Question {i}: what is the refund policy?")
         ra, rb = client.chat({"model": "a", "messages": prompt})[1], client.chat({"model": "b", "messages": prompt})[1]
-        assert answer_of(ra) == answer_of(rb)
-        assert answer_of(ra) == answer_of(client.chat({"model": "a", "messages": prompt})[1])
-    # different prompts, different answers
-    answers = {answer_of(client.chat({"model": "a", "messages": msgs(f"p{i}")})[1]) for i in range(20)}
+        again = client.chat({"model": "a", "messages": prompt})[1]
+        assert content_of(ra) == content_of(rb) == content_of(again)
+        assert len(content_of(ra)[0]) >= 2  # facts, read back from the text
+        reworded += answer_of(ra) != answer_of(again)
+    assert reworded >= 18  # the same facts, in other words on (nearly) every call: exact match fails
+    # different prompts, different content
+    answers = {content_of(client.chat({"model": "a", "messages": msgs(f"p{i}")})[1]) for i in range(20)}
     assert len(answers) == 20
+    # JSON keeps its values; its layout may change
+    asked = {"model": "a", "messages": msgs("json please"), "response_format": {"type": "json_object"}}
+    values = {json.dumps(json.loads(client.chat(asked)[1]["choices"][0]["message"]["content"]), sort_keys=True)
+              for _ in range(8)}
+    assert len(values) == 1
 
 
 def test_divergence_rate_matches_config(client):
     prompt = msgs("Explain the billing cycle.")
-    reference = answer_of(client.chat({"model": "a", "messages": prompt})[1])
+    reference = content_of(client.chat({"model": "a", "messages": prompt})[1])
     n = 400
-    differ = sum(answer_of(client.chat({"model": "div", "messages": prompt})[1]) != reference for _ in range(n))
+    differ = sum(content_of(client.chat({"model": "div", "messages": prompt})[1]) != reference for _ in range(n))
     sd = (n * 0.3 * 0.7) ** 0.5
     assert abs(differ - n * 0.3) < 4.5 * sd, differ
 
@@ -320,7 +344,7 @@ def test_json_schema_instances_fit(client):
     # the same prompt gives the same instance on another model
     again = client.chat({"model": "b", "messages": msgs("order 0"), "response_format": fmt})[1]
     first = client.chat({"model": "a", "messages": msgs("order 0"), "response_format": fmt})[1]
-    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert json.loads(again["choices"][0]["message"]["content"]) == json.loads(first["choices"][0]["message"]["content"])
 
 
 @pytest.mark.parametrize("schema", [
@@ -386,6 +410,56 @@ def test_segment_overrides(client):
     assert body["choices"][0]["message"]["refusal"] and body["choices"][0]["message"]["content"] is None
     body = client.chat({"model": "seg", "messages": msgs("x")}, headers={"x-task-type": "other"})[1]
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+# ---------------------------------------------------------------- wrong content and the judge
+
+
+def test_wrong_content_states_one_wrong_fact_where_configured(client):
+    for i in range(10):
+        prompt = msgs(f"Where is order {i}?")
+        right = content_of(client.chat({"model": "a", "messages": prompt})[1])[0]
+        elsewhere = content_of(client.chat({"model": "wrong", "messages": prompt})[1])[0]
+        assert elsewhere == right  # wrong_content is set for the billing segment only
+        wrong = content_of(client.chat({"model": "wrong", "messages": prompt}, headers={"x-task-type": "billing"})[1])[0]
+        assert [(s, a) for s, a, _ in wrong] == [(s, a) for s, a, _ in right]  # same subjects, fluent
+        assert sum(x != y for x, y in zip(wrong, right)) == 1                  # one value is not the planted one
+
+
+def judge_body(model: str, conversation: list, a: dict, b: dict) -> dict:
+    from collectors.evaluators.llm_judge import pairwise_request, shown_answer
+
+    return {"model": model, **pairwise_request("rubric", {"messages": conversation}, shown_answer(a), shown_answer(b))}
+
+
+def winner(client, body: dict) -> str:
+    status, answer = client.chat(body)
+    assert status == 200
+    return json.loads(answer["choices"][0]["message"]["content"])["winner"]
+
+
+def test_judge_model_prefers_the_planted_facts_in_either_order(client):
+    for i in range(10):
+        prompt = msgs(f"What is the status of ticket {i}?")
+        right = client.chat({"model": "a", "messages": prompt})[1]
+        rephrased = client.chat({"model": "b", "messages": prompt})[1]
+        wrong = client.chat({"model": "wrong", "messages": prompt}, headers={"x-task-type": "billing"})[1]
+        assert winner(client, judge_body("judge", prompt, right, wrong)) == "A"
+        assert winner(client, judge_body("judge", prompt, wrong, right)) == "B"
+        assert winner(client, judge_body("judge", prompt, right, rephrased)) == "tie"
+    # a judge model answers other prompts like any model
+    assert content_of(client.chat({"model": "judge", "messages": msgs("hello")})[1]) == \
+        content_of(client.chat({"model": "a", "messages": msgs("hello")})[1])
+
+
+def test_judge_error_rate(client):
+    prompt = msgs("What is the refund deadline?")
+    right = client.chat({"model": "a", "messages": prompt})[1]
+    wrong = client.chat({"model": "wrong", "messages": prompt}, headers={"x-task-type": "billing"})[1]
+    n = 300
+    off = sum(winner(client, judge_body("noisy-judge", prompt, right, wrong)) != "A" for _ in range(n))
+    p = 0.3 * 2 / 3  # a random verdict is the right one a third of the time
+    assert abs(off - n * p) < 4.5 * (n * p * (1 - p)) ** 0.5, off
 
 
 # ---------------------------------------------------------------- failures
@@ -463,10 +537,13 @@ def test_streaming_matches_non_streaming(sdk):
     content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(content_chunks) > 3
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert read_facts(streamed) == read_facts(full.choices[0].message.content)  # the same facts, reworded
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["stop"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # usage counts this call's own words (another call words the same facts differently)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(streamed.split())
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
     without = list(sdk.chat.completions.create(model="a", messages=msgs("stream me"), stream=True))
     assert all(c.choices for c in without)

@@ -1,44 +1,68 @@
-"""`agreement`: does the candidate's answer agree with the live stable answer, and (the noise
-floor) does the stable model asked again agree with its own live answer? Answers compare by
-normalised text, canonical JSON, or tool name plus canonical arguments (collectors.evaluators.answers)."""
+"""`agreement`: how similar the candidate's answer is to the live stable answer, and (the noise
+floor) the stable model's second answer to its own live one, in [0, 1] (collectors.similarity:
+embeddings for text, structural scores for JSON and tool calls, 0 for a refusal against content).
+
+The record's `similarity` holds both scores; its `agreement` booleans say whether each reaches
+`shadow.similarity.agree_at`. An embeddings backend that fails leaves both unmeasured (None), with
+the reason in the evaluator's detail: never an agreement by default.
+"""
 
 from __future__ import annotations
 
-from collectors.evaluators.answers import answer_key
-from collectors.evaluators.base import EvalContext
+from dataclasses import dataclass
+
+from collectors.evaluators.base import EvalContext, score_text
+from collectors.similarity import EmbeddingError, RecordSimilarity, answer_of_completion, score_record, wants_json
 from service.records import Agreement, EvaluationResult
 
 
-def compare(ctx: EvalContext) -> Agreement:
-    """The record's `agreement`: None where an answer is missing or the noise floor is off.
-    Computed once per context (the worker and this evaluator share it)."""
-    known = ctx.extra.get("agreement")
+@dataclass(frozen=True, slots=True)
+class Measured:
+    similarity: RecordSimilarity
+    agreement: Agreement
+    problem: str | None = None      # why nothing could be measured
+
+
+def _at_least(score: float | None, agree_at: float) -> bool | None:
+    return None if score is None else score >= agree_at
+
+
+async def measure(ctx: EvalContext) -> Measured:
+    """Both similarities of the record (one batched embed call), computed once per context: the
+    worker and this evaluator share them."""
+    known = ctx.extra.get("similarity")
     if known is not None:
         return known
-    live = answer_key(ctx.live)
-
-    def versus(answer: dict | None) -> bool | None:
-        key = answer_key(answer)
-        return None if key is None or live is None else key == live
-
-    result = Agreement(candidate_vs_stable=versus(ctx.candidate.response),
-                       stable_vs_stable=versus(ctx.stable_again.response) if ctx.stable_again is not None else None)
-    ctx.extra["agreement"] = result
+    as_json = wants_json(ctx.request)
+    live = answer_of_completion(ctx.live, as_json)
+    candidate = answer_of_completion(ctx.candidate.response, as_json)
+    again = answer_of_completion(ctx.stable_again.response, as_json) if ctx.stable_again is not None else None
+    problem = None
+    try:
+        sim = await score_record(live, candidate, again, ctx.embedder)
+    except EmbeddingError as e:
+        sim, problem = RecordSimilarity(None, None), str(e)
+    agree_at = ctx.route_cfg.shadow.similarity.agree_at
+    result = Measured(sim, Agreement(candidate_vs_stable=_at_least(sim.candidate_vs_stable, agree_at),
+                                     stable_vs_stable=_at_least(sim.stable_vs_stable, agree_at)), problem)
+    ctx.extra["similarity"] = result
     return result
 
 
 class AgreementEvaluator:
     name = "agreement"
-    version = "1"
+    version = "2"
 
     def selected(self, ctx: EvalContext) -> bool:
         return ctx.candidate.answered and ctx.live is not None
 
     async def evaluate(self, ctx: EvalContext) -> EvaluationResult:
-        result = compare(ctx)
-        agree = result.candidate_vs_stable
-        floor = {True: "stable-again agrees", False: "stable-again disagrees", None: "noise floor not measured"}
-        detail = f"{'agrees' if agree else 'disagrees' if agree is False else 'not comparable'} with the live answer; " \
-                 f"{floor[result.stable_vs_stable]}"
-        return EvaluationResult(name=self.name, version=self.version, passed=agree,
-                                score=None if agree is None else float(agree), detail=detail)
+        m = await measure(ctx)
+        if m.problem is not None:
+            return EvaluationResult(name=self.name, version=self.version, passed=None,
+                                    detail=f"similarity not measured: {m.problem}"[:300])
+        sim = m.similarity
+        detail = (f"similarity to the live answer {score_text(sim.candidate_vs_stable)}, stable-again "
+                  f"{score_text(sim.stable_vs_stable)} (agree at {ctx.route_cfg.shadow.similarity.agree_at:g})")
+        return EvaluationResult(name=self.name, version=self.version, passed=m.agreement.candidate_vs_stable,
+                                score=sim.candidate_vs_stable, detail=detail)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from collectors.similarity import Embedder
 from service.config import Checks, Config, RouteConfig
 from service.proxy.outcome import Verdict
 from service.proxy.routing import unit_hash
@@ -48,7 +49,8 @@ class ShadowCall:
 class Caller(Protocol):
     async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None) -> ShadowCall:
         """Send a chat request (non-streamed) to a model from `models:`, with the shadow retry rules;
-        classify the answer with `checks` (default: the route's)."""
+        classify the answer with `checks` (default: the route's). Raises `collectors.spend.OverBudget`
+        instead of calling when the route's `shadow.max_usd_per_hour` is spent."""
 
 
 @dataclass(slots=True)
@@ -62,11 +64,23 @@ class EvalContext:
     candidate: ShadowCall
     stable_again: ShadowCall | None
     caller: Caller
+    embedder: Embedder              # the route's `shadow.similarity` backend
     extra: dict = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
         return self.event.request_id
+
+    @property
+    def stable_model(self) -> str:
+        """The stable model that served the live answer (its key in `models:`)."""
+        served = self.event.primary.model
+        return served if served in self.config.models else self.route_cfg.stable
+
+
+def score_text(value: float | None) -> str:
+    """A similarity score for an evaluator's detail."""
+    return "not measured" if value is None else f"{value:.3f}"
 
 
 def sampled(kind: str, request_id: str, rate: float) -> bool:

@@ -1,37 +1,59 @@
-"""`stability` (optional): on `shadow.stability.sample_rate` of the records, ask the candidate
-k times in all (its shadow answer counts as the first) and report the share of the k answers
-that match the most common one (1/k … 1) as the score; it passes when a strict majority agree.
-Fewer than two readable answers is an error, not a pass."""
+"""`stability` (optional): on `shadow.stability.sample_rate` of the records, the candidate and the
+stable model are each asked k times, and each one's stability is the mean pairwise similarity of
+its k answers (collectors.similarity), in [0, 1].
+
+The candidate's shadow answer counts as its first; the live answer, and the stable-again answer
+when there is one, count as the stable model's first ones. Both sides come from the same request,
+so the record's `stability {candidate, stable}` is one paired difference for the judge's
+`stability_gap`. The evaluator passes when the candidate's answers agree with each other on average
+(stability ≥ `shadow.similarity.agree_at`). Fewer than two readable answers on a side leaves that
+side unmeasured (None); on the candidate's side that is an error, never a pass.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 
-from collectors.evaluators.answers import answer_key
-from collectors.evaluators.base import EvalContext, sampled
-from service.records import EvaluationResult
+from collectors.evaluators.base import EvalContext, sampled, score_text
+from collectors.similarity import EmbeddingError, answer_of_completion, mean_pairwise_similarity, wants_json
+from service.records import EvaluationResult, Stability
 
 
 class StabilityEvaluator:
     name = "stability"
-    version = "1"
+    version = "2"
 
     def selected(self, ctx: EvalContext) -> bool:
         cfg = ctx.route_cfg.shadow.stability
-        return ctx.candidate.answered and sampled("stability", ctx.request_id, cfg.sample_rate)
+        return ctx.candidate.answered and ctx.live is not None and sampled("stability", ctx.request_id, cfg.sample_rate)
 
     async def evaluate(self, ctx: EvalContext) -> EvaluationResult:
         k = ctx.route_cfg.shadow.stability.k
-        candidate = ctx.route_cfg.candidate
-        assert candidate is not None
-        more = await asyncio.gather(*(ctx.caller.call(ctx.route, candidate, ctx.request) for _ in range(k - 1)))
-        keys = [answer_key(ctx.candidate.response)] + [answer_key(c.response) for c in more]
-        readable = [key for key in keys if key is not None]
-        if len(readable) < 2:
+        candidate = ctx.candidate.model  # the candidate of this record (a route may have several)
+        stable = [ctx.live]
+        if ctx.stable_again is not None and ctx.stable_again.answered:
+            stable.append(ctx.stable_again.response)
+        asks = [(candidate, k - 1), (ctx.stable_model, k - len(stable))]
+        calls = await asyncio.gather(*(ctx.caller.call(ctx.route, key, ctx.request)
+                                       for key, n in asks for _ in range(n)))
+        as_json = wants_json(ctx.request)
+        replies = {"candidate": [ctx.candidate.response] + [c.response for c in calls[:k - 1]],
+                   "stable": stable + [c.response for c in calls[k - 1:]]}
+        scores: dict[str, float | None] = {}
+        try:
+            for side, responses in replies.items():
+                answers = [a for a in (answer_of_completion(r, as_json) for r in responses) if a is not None]
+                scores[side] = await mean_pairwise_similarity(answers, ctx.embedder)
+        except EmbeddingError as e:
             return EvaluationResult(name=self.name, version=self.version, passed=None,
-                                    detail=f"only {len(readable)} of {k} answers readable")
-        top = Counter(readable).most_common(1)[0][1]
-        share = top / len(readable)
-        return EvaluationResult(name=self.name, version=self.version, passed=share > 0.5, score=share,
-                                detail=f"{top} of {len(readable)} answers agree (k={k})")
+                                    detail=f"similarity not measured: {e}"[:300])
+        result = Stability(candidate=scores["candidate"], stable=scores["stable"])
+        ctx.extra["stability"] = result
+        detail = f"mean pairwise similarity of k={k} answers: candidate {score_text(result.candidate)}, " \
+                 f"stable {score_text(result.stable)}"
+        if result.candidate is None:
+            return EvaluationResult(name=self.name, version=self.version, passed=None,
+                                    detail="fewer than 2 readable candidate answers; " + detail)
+        agree_at = ctx.route_cfg.shadow.similarity.agree_at
+        return EvaluationResult(name=self.name, version=self.version, passed=result.candidate >= agree_at,
+                                score=result.candidate, detail=detail)

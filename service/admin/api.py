@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from service.config import ConfigError
 from service.errors import openai_error
 from service.records import dump
-from service.rollout.book import ACTIONS, TransitionError
+from service.rollout.book import ACTIONS, TransitionError, UnknownSegment
 
 if TYPE_CHECKING:
     from service.proxy.app import Runtime
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 audit = logging.getLogger("modelcanary.audit")
 
 
-def admin_router(runtime: Runtime) -> APIRouter:
+def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nested handlers together; each is a few lines
     router = APIRouter()
 
     def refused(request: Request) -> Response | None:
@@ -66,6 +66,25 @@ def admin_router(runtime: Runtime) -> APIRouter:
         state = runtime.book.get(route)
         return JSONResponse({"route": route, "state": _public(state), "report": state.report})
 
+    @router.get("/admin/traffic")
+    async def traffic(request: Request) -> Response:
+        """Memory mode: the recent sampled TrafficEvents and feedback as JSON lines (`modelcanary capture`)."""
+        if (denied := refused(request)) is not None:
+            return denied
+        recent = runtime.recent_traffic
+        if recent is None:
+            return openai_error(409, "in Kafka mode capture reads the traffic and outcomes topics, not the proxy",
+                                code="kafka_mode")
+        bounds: dict[str, float | None] = {}
+        for name in ("since", "until"):
+            raw = request.query_params.get(name)
+            try:
+                bounds[name] = float(raw) if raw is not None else None
+            except ValueError:
+                return openai_error(400, f"{name} must be a unix time in seconds, got {raw[:40]!r}", param=name,
+                                    code="invalid_value")
+        return Response(b"".join(recent.lines(bounds["since"], bounds["until"])), media_type="application/x-ndjson")
+
     @router.post("/admin/rollouts/{route}/{action}")
     async def act(route: str, action: str, request: Request) -> Response:
         if (denied := refused(request)) is not None:
@@ -75,12 +94,15 @@ def admin_router(runtime: Runtime) -> APIRouter:
                                 param="action", code="unknown_action")
         if route not in runtime.book.states:
             return unknown(route)
+        segment = request.query_params.get("segment")
         try:
-            state = runtime.book.operate(route, action, by="operator")  # type: ignore[arg-type]
+            state = runtime.book.operate(route, action, by="operator", segment=segment)  # type: ignore[arg-type]
         except TransitionError as e:
             return openai_error(409, str(e), code="invalid_transition")
-        audit.info("operator action=%s route=%s phase=%s weight=%.3f client=%s", action, route, state.phase,
-                   state.canary_weight, request.client.host if request.client else "-")
+        except UnknownSegment as e:
+            return openai_error(404, str(e), param="segment", code="segment_not_found")
+        audit.info("operator action=%s route=%s segment=%s phase=%s weight=%.3f client=%s", action, route,
+                   (segment or "-")[:64], state.phase, state.canary_weight, request.client.host if request.client else "-")
         return JSONResponse(_public(state))
 
     @router.post("/admin/reload")
@@ -98,7 +120,7 @@ def admin_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/analysis/{route}")
     async def analysis(route: str, request: Request) -> Response:
-        from service.judge.decide import analysis as verdict_of
+        from service.judge.segments import analysis_of as verdict_of
 
         if route not in runtime.book.states:
             return unknown(route)

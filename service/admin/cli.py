@@ -23,7 +23,7 @@ TIMEOUT_S = 10.0
 VERDICT_STYLE = {"worse": "bold red", "within": "green", "inconclusive": "yellow"}
 DECISION_STYLE = {"rollback": "bold red", "promote": "bold green", "step": "green", "hold": "yellow"}
 PHASE_STYLE = {"rolled_back": "bold red", "promoted": "bold green", "canary": "cyan", "shadow": "blue",
-               "paused": "magenta"}
+               "paused": "magenta", "partial": "bold yellow"}
 
 
 class AdminError(Exception):
@@ -129,42 +129,58 @@ def status_table(states: list[dict]) -> Table:
     for col in ("route", "stable → candidate", "phase", "weight", "step", "since", "last decision"):
         table.add_column(col, justify="right" if col in ("weight", "step") else "left")
     for s in states:
-        phase = s.get("phase", "?")
-        if phase == "paused" and s.get("paused_from"):
-            phase_t = Text(f"paused (from {s['paused_from']})", style=PHASE_STYLE["paused"])
-        else:
-            phase_t = Text(phase, style=PHASE_STYLE.get(phase, ""))
-        weight = s.get("canary_weight", 0.0) if phase != "promoted" else 1.0
-        step = s.get("step_index", -1)
-        decision = _decision_text(s.get("last_decision"))
-        rec = s.get("recommendation")
-        if rec:
-            decision.append("\n")
-            decision.append_text(_decision_text(rec, "judge now:"))
-        table.add_row(s.get("route", "?"), f"{s.get('stable')} → {s.get('candidate') or '–'}", phase_t,
-                      f"{100 * weight:.0f}%", "–" if step is None or step < 0 else str(step + 1),
-                      _ago(s.get("since")), decision)
+        candidates = s.get("candidates") or [s.get("candidate") or "–"]
+        table.add_row(s.get("route", "?"), f"{s.get('stable')} → {', '.join(candidates)}", *_state_cells(s))
+        for name, seg in (s.get("segments") or {}).items():  # rollout.scope segment: each its own
+            table.add_row(f"  segment {name}", f"{s.get('stable')} → {seg.get('candidate') or '–'}",
+                          *_state_cells(seg))
     return table
+
+
+def _state_cells(s: dict) -> tuple:
+    """phase, weight, step, since and decisions of a route's (or a segment's) state."""
+    phase = s.get("phase", "?")
+    if phase == "paused" and s.get("paused_from"):
+        phase_t = Text(f"paused (from {s['paused_from']})", style=PHASE_STYLE["paused"])
+    else:
+        phase_t = Text(phase, style=PHASE_STYLE.get(phase, ""))
+    weight = s.get("canary_weight", 0.0) if phase != "promoted" else 1.0
+    step = s.get("step_index", -1)
+    decision = _decision_text(s.get("last_decision"))
+    rec = s.get("recommendation")
+    if rec:
+        decision.append("\n")
+        decision.append_text(_decision_text(rec, "judge now:"))
+    return (phase_t, f"{100 * weight:.0f}%", "–" if step is None or step < 0 else str(step + 1),
+            _ago(s.get("since")), decision)
 
 
 # ---- promote | pause | resume | rollback --------------------------------------------------------------
 
-def act(url: str, token: str | None, route: str, action: str) -> int:
+def act(url: str, token: str | None, route: str, action: str, segment: str | None = None) -> int:
+    query = f"?segment={_q(segment)}" if segment else ""
     try:
-        state = _request("POST", url, f"/admin/rollouts/{_q(route)}/{_q(action)}", token)
+        state = _request("POST", url, f"/admin/rollouts/{_q(route)}/{_q(action)}{query}", token)
     except AdminError as e:
         return _fail(e)
-    weight = state.get("canary_weight", 0.0) if state.get("phase") != "promoted" else 1.0
-    print(f"{route}: {action} → phase {state.get('phase')}, weight {100 * weight:.0f}%, "
-          f"step {state.get('step_index', -1) + 1}")
+    shown = (state.get("segments") or {}).get(segment) if segment else state
+    where = f"{route} segment {segment}" if segment else route
+    weight = shown.get("canary_weight", 0.0) if shown.get("phase") != "promoted" else 1.0
+    print(f"{where}: {action} → phase {shown.get('phase')}, weight {100 * weight:.0f}%, "
+          f"step {shown.get('step_index', -1) + 1}" + (f" ({shown['candidate']})" if shown.get("candidate") else ""))
     return 0
 
 
 # ---- report -------------------------------------------------------------------------------------------
 
+def get_report(url: str, token: str | None, route: str) -> dict:
+    """`GET /admin/rollouts/{route}/report`: {"route", "state", "report"}; AdminError when it fails."""
+    return _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token)
+
+
 def report(url: str, token: str | None, route: str, as_json: bool = False) -> int:
     try:
-        body = _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token)
+        body = get_report(url, token, route)
     except AdminError as e:
         return _fail(e)
     if as_json:
@@ -185,6 +201,8 @@ def report(url: str, token: str | None, route: str, as_json: bool = False) -> in
     live = rep.get("live") or {}
     if live.get("segments"):
         console.print(live_table(live))
+    if rep.get("matrix"):
+        console.print(matrix_table(rep["matrix"]))
     if judge_part.get("comparisons"):
         console.print(judge_table(judge_part))
     if judge_part.get("decision"):
@@ -195,6 +213,7 @@ def report(url: str, token: str | None, route: str, as_json: bool = False) -> in
 
 def _shadow_tables(summary: dict) -> list:
     try:
+        from service.judge.quality import quality_table
         from service.judge.shadow_report import failures_table, shadow_table
     except ImportError:
         return [_generic_table("shadow", summary)]
@@ -202,6 +221,9 @@ def _shadow_tables(summary: dict) -> list:
         tables = [shadow_table(summary)]
         if any((seg.get("failure_rate") or {}) for seg in (summary.get("segments") or {}).values()):
             tables.append(failures_table(summary))
+        quality = quality_table(summary)
+        if quality.row_count:
+            tables.append(quality)
         return tables
     except (KeyError, TypeError, AttributeError):
         return [_generic_table("shadow", summary)]
@@ -263,6 +285,9 @@ def _fmt_effect(c: dict) -> str:
     e, iv, unit = c.get("effect"), c.get("interval"), c.get("unit")
     if e is None:
         return "–"
+    if unit == "score":
+        text = f"{e:+.3f}".replace("-", "−")
+        return text + (f"  [{iv[0]:.3f}, {iv[1]:.3f}]".replace("-", "−") if iv else "")
     if unit == "ratio":
         text = f"×{e:.2f}"
         if iv:
@@ -275,6 +300,27 @@ def _fmt_effect(c: dict) -> str:
     return text
 
 
+def matrix_table(matrix: dict) -> Table:
+    """Candidates × segments: each metric's effect against stable with its interval, coloured by verdict,
+    and what blocks promotion with its forecast."""
+    metrics = matrix.get("metrics", [])
+    table = Table(title="capability × cost: each candidate vs stable per segment (anytime-valid intervals)",
+                  show_lines=True)
+    for col in ("candidate", "segment", "status", *metrics, "forecast"):
+        table.add_column(col, justify="left" if col in ("candidate", "segment", "status", "forecast") else "right")
+    for row in matrix.get("rows", []):
+        cells = row.get("cells") or {}
+        shown = []
+        for metric in metrics:
+            c = cells.get(metric)
+            shown.append(Text(_fmt_effect(c), style=VERDICT_STYLE.get(c.get("verdict"), "")) if c else Text("–"))
+        deciding = row.get("status") not in ("ruled out", "promoted", "not picked")
+        forecasts = [c["forecast"] for c in cells.values() if c.get("forecast") and deciding]
+        table.add_row(row.get("candidate", "?"), row.get("segment", "?"), row.get("status", "?"), *shown,
+                      "\n".join(forecasts) or "–")
+    return table
+
+
 def judge_table(judge_part: dict) -> Table:
     alpha = judge_part.get("alpha_per_comparison")
     k = judge_part.get("comparisons_budget")
@@ -283,8 +329,9 @@ def judge_table(judge_part: dict) -> Table:
         title += f", α={alpha:.2g} each over {k} comparisons"
     title += ")"
     table = Table(title=title)
-    for col in ("metric", "segment", "stable", "candidate", "effect [interval]", "margin", "n", "verdict"):
-        table.add_column(col, justify="left" if col in ("metric", "segment", "verdict") else "right")
+    for col in ("metric", "segment", "stable", "candidate", "effect [interval]", "margin", "n", "verdict",
+                "forecast"):
+        table.add_column(col, justify="left" if col in ("metric", "segment", "verdict", "forecast") else "right")
     order = {"worse": 0, "inconclusive": 1, "within": 2}
     rows = sorted(judge_part.get("comparisons", []),
                   key=lambda c: (order.get(c.get("verdict"), 3), c.get("metric", ""), c.get("segment", "")))
@@ -295,5 +342,16 @@ def judge_table(judge_part: dict) -> Table:
         verdict = c.get("verdict", "?")
         table.add_row(c.get("metric", "?"), c.get("segment", "?"), _fmt_value(c.get("stable"), unit),
                       _fmt_value(c.get("candidate"), unit), _fmt_effect(c), margin_s,
-                      f"{c.get('n', 0)} / {c.get('n_stable', 0)}", Text(verdict, style=VERDICT_STYLE.get(verdict, "")))
+                      f"{c.get('n', 0)} / {c.get('n_stable', 0)}", Text(verdict, style=VERDICT_STYLE.get(verdict, "")),
+                      _fmt_forecast(c))
     return table
+
+
+def _fmt_forecast(c: dict) -> str:
+    """A comparison that blocks promotion: '~11k more (~1 h 50 min)', or why more data will not do."""
+    from service.judge.forecast import count_text, duration_text
+
+    if c.get("needed_n") is not None:
+        eta = c.get("eta_s")
+        return f"~{count_text(c['needed_n'])} more" + (f" (~{duration_text(eta)})" if eta is not None else "")
+    return "not at this effect" if c.get("forecast") else ""

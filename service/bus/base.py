@@ -8,13 +8,19 @@ from typing import Literal, Protocol
 
 from service.records import Record
 
-Topic = Literal["outcomes", "traffic", "evaluations", "rollouts"]
-TOPICS: tuple[Topic, ...] = ("outcomes", "traffic", "evaluations", "rollouts")
+Topic = Literal["outcomes", "traffic", "evaluations", "rollouts", "reports", "control"]
+TOPICS: tuple[Topic, ...] = ("outcomes", "traffic", "evaluations", "rollouts", "reports", "control")
+# One partition each, compacted: the latest record per key is all a reader needs.
+KEYED_TOPICS: tuple[Topic, ...] = ("rollouts", "reports", "control")
+LEADER_KEY = "leader"
 
 
 def record_key(topic: Topic, record: Record) -> str:
-    """Key = request_id for outcomes/traffic/evaluations, route for rollouts."""
-    return record.route if topic == "rollouts" else record.request_id
+    """Key = request_id for outcomes/traffic/evaluations (feedback by session: its session), route for
+    rollouts and reports, one key for control."""
+    if topic == "control":
+        return LEADER_KEY
+    return record.route if topic in ("rollouts", "reports") else record.request_id
 
 
 class Subscription(Protocol):
@@ -35,8 +41,8 @@ class EventBus(Protocol):
 
     def subscribe(self, topics: list[Topic], group: str | None) -> Subscription:
         """A consumer. `group` shares records among its members (each record to one member, from the
-        oldest uncommitted); `group=None` follows every record from the start of the topic
-        (used for rollouts, where every replica needs every state)."""
+        oldest uncommitted); `group=None` follows every record from the start of the topic (the
+        Kafka backend's `follow` reads keyed topics from each key's latest record instead)."""
 
     async def flush(self, timeout_s: float) -> bool:
         """True once every record published before the call is confirmed by the backend (Kafka: the

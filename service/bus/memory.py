@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from service import metrics
 from service.bus.base import Topic
-from service.records import Record
+from service.records import Record, RolloutState
 
 if TYPE_CHECKING:
     from prometheus_client import Gauge
@@ -100,7 +100,7 @@ class MemoryBus:
         return None
 
     def publish(self, topic: Topic, record: Record) -> None:
-        if topic == "rollouts":
+        if topic == "rollouts" and isinstance(record, RolloutState):
             self._latest_rollouts[record.route] = record
         delivered = False
         for sub in self._subs.get(topic, ()):

@@ -23,6 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from service import metrics
 from service.bus.base import TOPICS
@@ -93,7 +94,7 @@ class Spool:
         self._lock_fd: int | None = None
         self._segments: list[_Segment] = []  # oldest first; the last may be the active one
         self._active: _Segment | None = None
-        self._file = None
+        self._file: BinaryIO | None = None
         self._dirty = False
         self._counts: dict[str, int] = {t: 0 for t in TOPICS}
         self._next_number = 1

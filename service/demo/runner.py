@@ -25,6 +25,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from service.rollout.segments import TERMINAL
+
 CONFIGS = resources.files("service.demo") / "configs"  # package data: works from an installed wheel
 ROUTE = "support-bot"
 MAX_UNATTENDED_S = 180.0
@@ -44,23 +46,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _request(i: int, rng: random.Random) -> tuple[dict, dict]:
+# the request mix: cumulative shares of tools, JSON, multi-turn and billing requests (the rest is chat)
+ROUTE_MIX = (0.25, 0.40, 0.52, 0.60)
+SEGMENT_MIX = (0.25, 0.55, 0.55, 0.55)  # tools, JSON and chat only: three segments, each with traffic enough
+
+
+def _request(i: int, rng: random.Random, mix: tuple[float, ...] = ROUTE_MIX) -> tuple[dict, dict]:
     """One request of the mix: chat, multi-turn, JSON, tools, streaming, a billing task."""
     topic = rng.choice(TOPICS)
     headers = {"x-session-id": f"user-{rng.randrange(400)}"}
     body: dict = {"model": ROUTE, "messages": [{"role": "user", "content": f"Question {i}: help me with {topic}."}]}
     kind = rng.random()
-    if kind < 0.25:
+    if kind < mix[0]:
         body["tools"] = TOOLS
-    elif kind < 0.40:
+    elif kind < mix[1]:
         body["response_format"] = {"type": "json_object"}
         body["messages"][0]["content"] += " Answer in JSON."
-    elif kind < 0.52:
+    elif kind < mix[2]:
         body["messages"] = [
             {"role": "user", "content": f"Conversation {i}: hello"}, {"role": "assistant", "content": "Hi!"},
             {"role": "user", "content": f"I need help with {topic}"}, {"role": "assistant", "content": "Sure."},
             {"role": "user", "content": "What should I do next?"}]
-    elif kind < 0.60:
+    elif kind < mix[3]:
         headers["x-task-type"] = "billing"
     if rng.random() < 0.2 and "tools" not in body:
         body["stream"] = True
@@ -77,15 +84,18 @@ class Roll:
     reasons: list[str] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
     version: int = -1
+    segments: dict[str, dict] = field(default_factory=dict)  # rollout.scope segment: each segment's state
+    candidates: list[str] = field(default_factory=list)
 
 
-async def _traffic(url: str, stop: asyncio.Event, rate: float, sent: list[int]) -> None:
+async def _traffic(url: str, stop: asyncio.Event, rate: float, sent: list[int], concurrency: int,
+                   mix: tuple[float, ...] = ROUTE_MIX) -> None:
     rng = random.Random(7)
-    sem = asyncio.Semaphore(64)
+    sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async def one(i: int) -> None:
-            body, headers = _request(i, rng)
+            body, headers = _request(i, rng, mix)
             try:
                 async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                     await r.read()
@@ -104,9 +114,11 @@ async def _traffic(url: str, stop: asyncio.Event, rate: float, sent: list[int]) 
             delay = start + i / rate - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+        for _ in range(concurrency):  # the requests in flight finish before the session closes
+            await sem.acquire()
 
 
-def _scrape(text: str) -> dict:
+def _scrape(text: str) -> dict:  # noqa: C901 - one flat dispatch on metric names
     by_role: dict = defaultdict(lambda: {"requests": 0.0, "completed": 0.0, "retries": 0.0, "buckets": {},
                                          "causes": defaultdict(float)})
     shadow = {"evaluated": 0.0, "agree": 0.0, "disagree": 0.0, "noise_agree": 0.0, "noise_disagree": 0.0}
@@ -195,26 +207,39 @@ async def _poll_rollout(session: aiohttp.ClientSession, url: str, token: str, ro
     async with session.get(f"{url}/admin/rollouts/{ROUTE}", headers={"Authorization": f"Bearer {token}"}) as r:
         state = await r.json()
     decision = state.get("recommendation") or state.get("last_decision") or {}
-    moved = state["phase"] != roll.phase or state["step_index"] != roll.step
-    if moved and roll.version >= 0:
+    moved = state["phase"] != roll.phase or (state["step_index"] != roll.step and not state.get("segments"))
+    if moved and roll.version >= 0 and state.get("segments"):  # each segment's steps are listed below
+        roll.history.append(f"  {time.monotonic() - started:5.0f} s  route {roll.phase} → {state['phase']}")
+    elif moved and roll.version >= 0:
         roll.history.append(f"  {time.monotonic() - started:5.0f} s  {roll.phase} → {state['phase']}"
                             f" ({state['canary_weight'] * 100:.0f}%): {(state.get('last_decision') or {}).get('reasons', [''])[0]}")
+    for name, seg in (state.get("segments") or {}).items():
+        was = roll.segments.get(name)
+        if was is not None and (was["phase"], was["step_index"]) != (seg["phase"], seg["step_index"]):
+            roll.history.append(f"  {time.monotonic() - started:5.0f} s  segment {name}: {was['phase']} → "
+                                f"{seg['phase']} ({seg['canary_weight'] * 100:.0f}%"
+                                f"{', ' + seg['candidate'] if seg.get('candidate') else ''}): "
+                                f"{(seg.get('last_decision') or {}).get('reasons', [''])[0]}")
+        roll.segments[name] = seg
+    roll.candidates = state.get("candidates") or []
     roll.phase, roll.weight, roll.step = state["phase"], state["canary_weight"], state["step_index"]
     roll.version = state["version"]
     roll.decision = decision.get("decision", "hold")
     roll.reasons = decision.get("reasons") or []
-    if state["phase"] in ("promoted", "rolled_back"):
+    if state["phase"] in TERMINAL:
         last = state.get("last_decision") or {}
         roll.decision, roll.reasons = last.get("decision", roll.decision), last.get("reasons") or roll.reasons
 
 
-async def _run(url: str, token: str, duration: float | None, console: Console) -> tuple[dict, Roll, float]:
+async def _run(url: str, token: str, duration: float | None, console: Console,
+               pace: tuple[float, int], mix: tuple[float, ...] = ROUTE_MIX) -> tuple[dict, Roll, float]:
+    """Traffic at `pace` (requests a second, at most this many at once) of the `mix`, and the live view."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     sent = [0]
-    traffic = asyncio.create_task(_traffic(url, stop, rate=250.0, sent=sent))
+    traffic = asyncio.create_task(_traffic(url, stop, rate=pace[0], sent=sent, concurrency=pace[1], mix=mix))
     roll = Roll()
     started = time.monotonic()
     terminal_at: float | None = None
@@ -237,12 +262,9 @@ async def _run(url: str, token: str, duration: float | None, console: Console) -
                     last_print = elapsed
                     print(f"[{elapsed:4.0f} s] sent={sent[0]} phase={roll.phase} weight={roll.weight:.2f} "
                           f"judge={roll.decision}", flush=True)
-                if roll.phase in ("promoted", "rolled_back") and terminal_at is None:
+                if roll.phase in TERMINAL and terminal_at is None:
                     terminal_at = elapsed
-                if duration is not None:
-                    if elapsed >= duration:
-                        break
-                elif (terminal_at is not None and elapsed - terminal_at >= 3) or elapsed >= MAX_UNATTENDED_S:
+                if _done(duration, elapsed, terminal_at):
                     break
         finally:
             stop.set()
@@ -252,8 +274,15 @@ async def _run(url: str, token: str, duration: float | None, console: Console) -
     return stats, roll, time.monotonic() - started
 
 
-def _summary(stats: dict, roll: Roll, elapsed: float, good: bool) -> str:
-    lines = [f"modelcanary demo — {elapsed:.0f} s of traffic, candidate: {'better-model' if good else 'new-model'}", ""]
+def _done(duration: float | None, elapsed: float, terminal_at: float | None) -> bool:
+    """After `duration` seconds; without one, soon after the rollout ended (or at the unattended cap)."""
+    if duration is not None:
+        return elapsed >= duration
+    return (terminal_at is not None and elapsed - terminal_at >= 3) or elapsed >= MAX_UNATTENDED_S
+
+
+def _summary(stats: dict, roll: Roll, elapsed: float, candidate: str) -> str:
+    lines = [f"modelcanary demo — {elapsed:.0f} s of traffic, candidate: {candidate}", ""]
     lines.append(f"{'role':<8} {'requests':>8} {'completion':>10} {'retry':>7} {'p50':>9} {'p95':>9}  failures")
     for role in ("stable", "canary"):
         r = stats["roles"].get(role)
@@ -269,41 +298,94 @@ def _summary(stats: dict, roll: Roll, elapsed: float, good: bool) -> str:
     lines.append("rollout history:")
     lines.extend(roll.history or ["  (no phase change)"])
     lines.append("")
-    reason = (roll.reasons[0] if roll.reasons else "not enough evidence yet").replace("\n", " ")
-    lines.append(f"final: route={ROUTE} phase={roll.phase} decision={roll.decision} reason={reason}")
+    if roll.segments:
+        lines += ["candidates, per segment:", *_standing(roll), ""]
+    decision, reasons = roll.decision, roll.reasons
+    kept = [seg for seg in roll.segments.values() if seg["phase"] == "rolled_back" and seg.get("last_decision")]
+    if kept:  # rollout.scope segment: the evidence that kept a segment on stable, against a candidate
+        promoted = {seg.get("candidate") for seg in roll.segments.values() if seg["phase"] == "promoted"}
+        ruled_out = kept[0].get("rejected") or {}  # promoted elsewhere, if one is
+        chosen = next((d for c, d in ruled_out.items() if c in promoted), kept[0]["last_decision"])
+        decision, reasons = "rollback", chosen["reasons"]
+    reason = (reasons[0] if reasons else "not enough evidence yet").replace("\n", " ")
+    line = f"final: route={ROUTE} phase={roll.phase} decision={decision} reason={reason}"
+    if roll.segments:
+        line += " segments=" + ",".join(f"{name}:{seg['phase']}" for name, seg in sorted(roll.segments.items()))
+    lines.append(line)
     return "\n".join(lines)
 
 
-class DemoStack:
-    """Simulator + proxy (embedded shadow workers and controller) as subprocesses on free ports,
-    from the configs shipped in service/demo/configs/."""
+# (config file, good candidate, traffic: requests a second and at most this many at once)
+SIMULATED = ("modelcanary.yaml", "better-m", (250.0, 64))
+SEGMENTED = ("modelcanary-segments.yaml", None, (250.0, 64))  # the default: rollout.scope segment
+REAL_MODEL = ("modelcanary-real.yaml", "smol-polite", (3.0, 2))  # one local model answers a few a second
 
-    def __init__(self, workdir: Path, good_candidate: bool):
+
+def _standing(roll: Roll) -> list[str]:
+    """Where each candidate ended up: promoted, canaried or ruled out, in which segments."""
+    out = []
+    for candidate in roll.candidates:
+        where: dict[str, list[str]] = defaultdict(list)
+        for name, seg in sorted(roll.segments.items()):
+            if candidate in (seg.get("rejected") or {}):
+                where["ruled out in"].append(name)
+            elif seg.get("candidate") == candidate:
+                where[f"{seg['phase']} in"].append(name)
+        out.append(f"  {candidate}: " + ("; ".join(f"{k} {', '.join(v)}" for k, v in where.items()) or "in shadow"))
+    return out
+
+
+class DemoStack:
+    """Simulator (or, with `real_model`, llama.cpp's server: service/demo/llama.py) + proxy (embedded
+    shadow workers and controller) as subprocesses on free ports, from the configs shipped in
+    service/demo/configs/."""
+
+    def __init__(self, workdir: Path, good_candidate: bool, real_model: bool = False, route_scope: bool = False):
         self.workdir = workdir
-        self.sim_port, self.proxy_port = _free_port(), _free_port()
-        sim_cfg = workdir / "simulator.yaml"
-        sim_cfg.write_text((CONFIGS / "simulator.yaml").read_text())
-        cfg = yaml.safe_load((CONFIGS / "modelcanary.yaml").read_text())
+        self.proxy_port = _free_port()
+        chosen = REAL_MODEL if real_model else SIMULATED if route_scope or good_candidate else SEGMENTED
+        config_file, good, self.pace = chosen
+        self.mix = SEGMENT_MIX if chosen is SEGMENTED else ROUTE_MIX
+        cfg = yaml.safe_load((CONFIGS / config_file).read_text())
+        cli = [sys.executable, "-m", "service.cli"]
+        self.log_path = workdir / "services.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.procs: list[subprocess.Popen] = []
+        self.llama = None
+        if real_model:
+            from service.demo import llama
+
+            missing = llama.missing_components()
+            if missing:
+                raise RuntimeError(f"the real model needs {', '.join(missing)}: run `make real-llm`")
+            path = llama.smollm2_path()
+            assert path is not None
+            self.llama = llama.start(workdir / "llama", [llama.model_settings(path, llama.CHAT_ALIAS)])
+            cfg["providers"]["llama"]["base_url"] = self.llama.base_url
+            self.upstream = f"llama.cpp server :{self.llama.port} (SmolLM2-135M)"
+        else:
+            sim_port = _free_port()
+            sim_cfg = workdir / "simulator.yaml"
+            sim_cfg.write_text((CONFIGS / "simulator.yaml").read_text())
+            cfg["providers"]["sim"]["base_url"] = f"http://127.0.0.1:{sim_port}/v1"
+            self.procs.append(subprocess.Popen(cli + ["simulate", "--config", str(sim_cfg), "--port", str(sim_port)],
+                                               stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir,
+                                               start_new_session=True))
+            self.upstream = f"simulator :{sim_port}"
         cfg["server"]["port"] = self.proxy_port
-        cfg["providers"]["sim"]["base_url"] = f"http://127.0.0.1:{self.sim_port}/v1"
         cfg["state_dir"] = str(workdir / "state")
         cfg["events"]["spool"] = {"dir": str(workdir / "spool")}
         if good_candidate:
-            cfg["routes"][ROUTE]["candidate"] = "better-m"
+            cfg["routes"][ROUTE]["candidate"] = good
+        self.candidate = ", ".join(cfg["routes"][ROUTE].get("candidates") or [cfg["routes"][ROUTE]["candidate"]])
         proxy_cfg = workdir / "modelcanary.yaml"
         proxy_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.token = secrets.token_hex(16)
         env = {**os.environ, "MODELCANARY_ADMIN_TOKEN": self.token}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        cli = [sys.executable, "-m", "service.cli"]
-        self.log_path = workdir / "services.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.procs = [
-            subprocess.Popen(cli + ["simulate", "--config", str(sim_cfg), "--port", str(self.sim_port)],
-                             stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True),
-            subprocess.Popen(cli + ["serve", "--config", str(proxy_cfg), "--port", str(self.proxy_port)],
-                             stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True),
-        ]
+        self.procs.append(subprocess.Popen(cli + ["serve", "--config", str(proxy_cfg), "--port", str(self.proxy_port)],
+                                           stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir, env=env,
+                                           start_new_session=True))
         self.url = f"http://127.0.0.1:{self.proxy_port}"
 
     def ready(self, timeout_s: float = 30) -> bool:
@@ -319,20 +401,27 @@ class DemoStack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        if self.llama is not None:
+            self.llama.stop()
         self._log.close()
 
 
-def run_demo(duration: float | None = None, good_candidate: bool = False) -> int:
+def run_demo(duration: float | None = None, good_candidate: bool = False, real_model: bool = False,
+             route_scope: bool = False) -> int:
     console = Console()
-    stack = DemoStack(Path(tempfile.mkdtemp(prefix="modelcanary-demo-")), good_candidate)
+    try:
+        stack = DemoStack(Path(tempfile.mkdtemp(prefix="modelcanary-demo-")), good_candidate, real_model, route_scope)
+    except RuntimeError as e:  # the real model is not installed, or its server did not start
+        console.print(f"[red]{e}[/red]")
+        return 1
     try:
         if not stack.ready():
             console.print(f"[red]services did not start; see {stack.log_path}[/red]")
             return 1
-        console.print(f"[bold]modelcanary demo[/bold]: proxy {stack.url}/v1 → simulator :{stack.sim_port}; "
-                      f"candidate {'better-model' if good_candidate else 'new-model'}; logs in {stack.workdir}")
-        stats, roll, elapsed = asyncio.run(_run(stack.url, stack.token, duration, console))
-        print(_summary(stats, roll, elapsed, good_candidate), flush=True)
+        console.print(f"[bold]modelcanary demo[/bold]: proxy {stack.url}/v1 → {stack.upstream}; "
+                      f"candidate {stack.candidate}; logs in {stack.workdir}")
+        stats, roll, elapsed = asyncio.run(_run(stack.url, stack.token, duration, console, stack.pace, stack.mix))
+        print(_summary(stats, roll, elapsed, stack.candidate), flush=True)
         return 0
     finally:
         stack.stop()

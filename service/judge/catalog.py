@@ -1,32 +1,45 @@
 """Which comparisons the judge makes for a route, their margins and how alpha is split.
 
-One `MetricSpec` per metric and evidence source; the judge evaluates every
-spec in every segment (plus `overall`). Alpha is split evenly (Bonferroni)
-over all comparisons the route *can* make — a fixed number known before any
-data arrives, so the split itself does not depend on what the data showed.
+One `MetricSpec` per metric, with all its evidence: a primary part (its own
+fields) and `also`, more evidence of the same quantity from another source
+(the paired shadow records of a live metric), combined by stratification.
+The judge evaluates every spec in every segment (plus `overall`). On the
+rollback side alpha is split evenly (Bonferroni) over all comparisons the route
+*can* make — a fixed number known before any data arrives, so the split itself
+does not depend on what the data showed; promotion needs every required
+comparison, so each takes the full alpha there (docs/judge.md §4).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from service.config import BUILTIN_SEGMENTS, RouteConfig
-from service.judge.comparisons import CostRatioTest, JudgeTest, LatencyExceedanceTest, ProportionTest
+from service.judge.comparisons import (
+    CostRatioTest,
+    JudgeTest,
+    LatencyExceedanceTest,
+    PairedCostRatioTest,
+    PairedExceedanceTest,
+    PairedMeanTest,
+    ProportionTest,
+)
 
 # DESIGN §6: the causes blamed on the model.
 MODEL_CAUSES = ("content_filtered", "refusal", "truncated", "empty_output", "invalid_json",
                 "schema_violation", "invalid_tool_call")
 
-Source = Literal["live", "shadow"]
+Source = Literal["live", "shadow", "pooled"]
 Arm = tuple[Source, Literal["stable", "candidate"]]
 
 LIVE_STABLE: Arm = ("live", "stable")
 LIVE_CANDIDATE: Arm = ("live", "candidate")
-SHADOW_STABLE: Arm = ("shadow", "stable")  # the live stable answer of each shadowed request
+# shadow records: the candidate's answer and what it is paired with (the stable asked again, the live answer)
 SHADOW_CANDIDATE: Arm = ("shadow", "candidate")
-SHADOW_REPLAY: Arm = ("shadow", "replay")  # the stable model asked again on the shadowed request
+# live canary outcomes and the candidate's shadow outcomes together (shadow failures without a replay)
+POOLED_CANDIDATE: Arm = ("pooled", "candidate")
 
 
 def replay_available(rc: RouteConfig) -> bool:
@@ -34,9 +47,27 @@ def replay_available(rc: RouteConfig) -> bool:
     the shadow failure comparisons then use it."""
     return rc.shadow.noise_floor
 
+
 PROPORTION = ProportionTest()
 LATENCY = LatencyExceedanceTest()
 COST = CostRatioTest()
+BINARY_PAIRS = PairedMeanTest()                            # McNemar-style: discordant pairs of 0/1 outcomes
+LATENCY_PAIRS = PairedExceedanceTest()
+COST_PAIRS = PairedCostRatioTest()
+SIMILARITY_PAIRS = PairedMeanTest()                        # a difference of two similarities in [0, 1]
+PREFERENCE_PAIRS = PairedMeanTest(effect_range=(-2.0, 2.0), prior_sd=2.0)  # two verdicts in {−1, 0, 1}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One source of evidence of a metric: a test and where its two arms' fields come from."""
+
+    source: Source
+    test: JudgeTest
+    stable_arm: Arm
+    candidate_arm: Arm
+    stable_field: str
+    candidate_field: str
 
 
 @dataclass(frozen=True)
@@ -51,8 +82,15 @@ class MetricSpec:
     candidate_field: str
     bound: float                   # non-inferiority bound in effect units
     worse_if: Literal["above", "below"]
-    unit: Literal["pts", "ratio"]
+    unit: Literal["pts", "ratio", "score"]
     margin: float                  # the configured margin (for display)
+    also: tuple[Part, ...] = ()    # more evidence of the same quantity, another source (stratified)
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        first = Part(self.source, self.test, self.stable_arm, self.candidate_arm, self.stable_field,
+                     self.candidate_field)
+        return (first, *self.also)
 
 
 def _live(name: str, label: str, field: str, test: JudgeTest, bound: float, worse_if, unit, margin) -> MetricSpec:
@@ -70,6 +108,9 @@ def build_catalog(rc: RouteConfig) -> list[MetricSpec]:
                 "above", "pts", m.model_failure_rate) for c in MODEL_CAUSES],
         _live("client_retry_rate", "client retry rate", "retry", PROPORTION, m.client_retry_rate, "above", "pts",
               m.client_retry_rate),
+        # answers cut by the client's own cap: not a failure, but a more verbose candidate reaches it more often
+        _live("max_tokens_rate", "max_tokens rate", "max_tokens", PROPORTION, m.model_failure_rate, "above", "pts",
+              m.model_failure_rate),
         _live("task_success_rate", "task success", "feedback", PROPORTION, -m.task_success_rate, "below", "pts",
               m.task_success_rate),
         _live("latency_p95_exceedance", "share slower than stable p95", "latency", LATENCY,
@@ -78,31 +119,60 @@ def build_catalog(rc: RouteConfig) -> list[MetricSpec]:
               "above", "ratio", m.cost_per_completion_ratio),
     ]
     if rc.shadow.sample_rate > 0:
-        def sh(name, label, stable_arm, field, test, bound, worse_if, unit, margin, cfield=None):
-            return MetricSpec(f"shadow.{name}", f"{label} (shadow)", "shadow", test, stable_arm, SHADOW_CANDIDATE,
-                              field, cfield or field, bound, worse_if, unit, margin)
-        # Failures: the candidate on shadowed requests against the stable asked again on the same
-        # requests when records carry that replay, else against the stable's live outcomes of the same
-        # window (docs/judge.md, "shadow evidence"); latency and cost pair each shadow call with the
-        # live stable answer of the same request.
-        fail_ref = SHADOW_REPLAY if replay_available(rc) else LIVE_STABLE
-        specs += [
-            sh("completion_rate", "completion rate", fail_ref, "completed", PROPORTION, -m.completion_rate,
-               "below", "pts", m.completion_rate),
-            sh("model_failure_rate", "model failure rate", fail_ref, "model_failed", PROPORTION,
-               m.model_failure_rate, "above", "pts", m.model_failure_rate),
-            *[sh(f"model_failure_rate:{c}", f"{c} rate", fail_ref, f"cause:{c}", PROPORTION,
-                 m.model_failure_rate, "above", "pts", m.model_failure_rate) for c in MODEL_CAUSES],
-            sh("latency_p95_exceedance", "share slower than stable p95", SHADOW_STABLE, "latency", LATENCY,
-               m.latency_p95_exceedance, "above", "pts", m.latency_p95_exceedance),
-            sh("cost_per_completion", "cost per completion", SHADOW_STABLE, "cost", COST,
-               math.log(m.cost_per_completion_ratio), "above", "ratio", m.cost_per_completion_ratio),
-        ]
+        specs = [_with_shadow(spec, rc) for spec in specs]
         if rc.shadow.noise_floor:
-            specs.append(MetricSpec("agreement_gap", "agreement vs noise floor", "shadow", PROPORTION,
-                                    SHADOW_CANDIDATE, SHADOW_CANDIDATE, "floor", "agree", -m.agreement_gap,
+            specs.append(MetricSpec("agreement_gap", "agreement vs noise floor", "shadow", BINARY_PAIRS,
+                                    SHADOW_CANDIDATE, SHADOW_CANDIDATE, "agreement", "agreement", -m.agreement_gap,
                                     "below", "pts", m.agreement_gap))
+        specs += _paired(rc)
     return specs
+
+
+# Live metrics that shadow records measure too (the field of the live arms → the shadow part's).
+_SHADOWED = {"completed": "replay:completed", "model_failed": "replay:model_failed",
+             **{f"cause:{c}": f"replay:cause:{c}" for c in MODEL_CAUSES}}
+
+
+def _with_shadow(spec: MetricSpec, rc: RouteConfig) -> MetricSpec:
+    """The live metric with its shadow evidence (docs/judge.md §2, "one metric, all its evidence").
+
+    Failures: each shadowed request's candidate outcome paired with the stable asked again on it
+    (McNemar-style) when records carry that replay; otherwise the candidate's shadow outcomes join
+    its live ones against the stable's live outcomes of the same window. Latency and cost: each
+    shadow call paired with the live stable answer of the same request.
+    """
+    if spec.stable_field in _SHADOWED:
+        if not replay_available(rc):
+            return replace(spec, candidate_arm=POOLED_CANDIDATE)
+        field = _SHADOWED[spec.stable_field]
+        return replace(spec, also=(Part("shadow", BINARY_PAIRS, SHADOW_CANDIDATE, SHADOW_CANDIDATE, field, field),))
+    if spec.stable_field == "latency":
+        return replace(spec, also=(Part("shadow", LATENCY_PAIRS, SHADOW_CANDIDATE, SHADOW_CANDIDATE,
+                                        "latency_pairs:stable", "latency_pairs"),))
+    if spec.stable_field == "cost":
+        return replace(spec, also=(Part("shadow", COST_PAIRS, SHADOW_CANDIDATE, SHADOW_CANDIDATE, "cost_pairs:stable",
+                                        "cost_pairs"),))
+    return spec
+
+
+def _paired(rc: RouteConfig) -> list[MetricSpec]:
+    """Shadow comparisons paired per request (evidence.paired_values): one difference per record."""
+    m = rc.rollout.margins
+
+    def paired(name: str, label: str, test: JudgeTest, margin: float) -> MetricSpec:
+        field = f"pair:{name}"
+        return MetricSpec(name, label, "shadow", test, SHADOW_CANDIDATE, SHADOW_CANDIDATE, field, field,
+                          -margin, "below", "score", margin)
+
+    out = []
+    if rc.shadow.noise_floor:
+        out.append(paired("similarity_gap", "similarity vs noise floor", SIMILARITY_PAIRS, m.similarity_gap))
+    if rc.shadow.judge is not None:
+        out.append(paired("judge_preference", "judge preference vs its noise floor", PREFERENCE_PAIRS,
+                          m.judge_preference))
+    if rc.shadow.stability.sample_rate > 0:
+        out.append(paired("stability_gap", "stability vs stable", SIMILARITY_PAIRS, m.stability_gap))
+    return out
 
 
 def route_segments(rc: RouteConfig) -> list[str]:
@@ -111,7 +181,7 @@ def route_segments(rc: RouteConfig) -> list[str]:
 
 
 def comparisons_budget(rc: RouteConfig) -> int:
-    """K: every (metric, segment) comparison this route can make; alpha / K each."""
+    """K: every (metric, segment) comparison this route can make; alpha / K each on the rollback side."""
     return len(build_catalog(rc)) * len(route_segments(rc))
 
 

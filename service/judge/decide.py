@@ -1,9 +1,10 @@
 """DESIGN §9: from comparisons to a decision (rollback / step / promote / hold) with its reasons.
 
-`evaluate` runs every catalog comparison in every segment; `decide` applies
-the rules; `rule` is the same rules on arrays (the benchmark runs it over
-thousands of simulated rollouts at once); `analysis` is the `/analysis/{route}`
-body for Argo Rollouts and Flagger.
+`evaluate` runs every catalog comparison in every segment, each with all its
+evidence (live and paired shadow parts combined), and forecasts the ones that
+block promotion; `decide` applies the rules; `rule` is the same rules on arrays
+(the benchmark runs it over thousands of simulated rollouts at once);
+`analysis` is the `/analysis/{route}` body for Argo Rollouts and Flagger.
 """
 
 from __future__ import annotations
@@ -15,17 +16,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.config import RouteConfig
-from service.judge.catalog import MetricSpec, alpha_per_comparison, build_catalog, comparisons_budget
+from service.judge import stats
+from service.judge.catalog import (
+    POOLED_CANDIDATE,
+    MetricSpec,
+    Part,
+    alpha_per_comparison,
+    build_catalog,
+    comparisons_budget,
+    route_segments,
+)
 from service.judge.comparisons import (
     INCONCLUSIVE,
     VERDICT_NAMES,
     WITHIN,
     WORSE,
     Boundary,
+    JudgeTest,
     MixtureBoundary,
-    compare,
+    interval,
+    within_scale,
 )
 from service.judge.evidence import RouteEvidence
+from service.judge.forecast import Forecast, describe, duration_text, forecast
 from service.records import Evidence, LastDecision, RolloutState
 
 HOLD, STEP, PROMOTE, ROLLBACK = 0, 1, 2, 3
@@ -41,28 +54,48 @@ class Comparison:
     candidate: float | None
     effect: float | None          # proportions: candidate − stable; ratios: candidate / stable
     interval: tuple[float, float] | None
-    n: int                        # candidate observations
+    n: int                        # candidate observations (live canary and shadow)
     n_stable: int
     verdict: int                  # WORSE / WITHIN / INCONCLUSIVE
+    source: str = "live"          # where the evidence came from: live, shadow or live+shadow
+    parts: tuple[dict, ...] = ()  # per source: its own effect and counts (the report)
+    forecast: Forecast | None = None  # a comparison that blocks promotion: what it still needs
 
     @property
     def verdict_name(self) -> str:
         return VERDICT_NAMES[self.verdict]
 
+    @property
+    def where(self) -> str:
+        return "overall" if self.segment == "overall" else f"segment {self.segment}"
+
+    @property
+    def label(self) -> str:
+        return self.spec.label if self.source == "live" else f"{self.spec.label} ({self.source})"
+
     def evidence(self) -> Evidence:
+        f = self.forecast
         return Evidence(metric=self.spec.name, segment=self.segment, stable=self.stable, candidate=self.candidate,
-                        effect=self.effect, interval=self.interval, n=self.n, verdict=self.verdict_name)
+                        effect=self.effect, interval=self.interval, n=self.n, verdict=self.verdict_name,
+                        needed_n=f.needed_n if f else None, eta_s=f.eta_s if f else None)
 
     def reason(self) -> str:
-        where = "overall" if self.segment == "overall" else f"segment {self.segment}"
-        return f"{where}: {self.spec.label} {describe_effect(self)}"
+        return f"{self.where}: {self.label} {describe_effect(self)}"
+
+    def forecast_reason(self) -> str | None:
+        if self.forecast is None:
+            return None
+        return describe(self.where, self.spec.label, self.forecast, _effect_text(self), _margin_text(self.spec))
 
     def as_dict(self) -> dict:
+        f = self.forecast
         return {"metric": self.spec.name, "label": self.spec.label, "segment": self.segment,
-                "source": self.spec.source, "stable": self.stable, "candidate": self.candidate,
+                "source": self.source, "stable": self.stable, "candidate": self.candidate,
                 "effect": self.effect, "interval": list(self.interval) if self.interval else None,
                 "n": self.n, "n_stable": self.n_stable, "margin": self.spec.margin, "unit": self.spec.unit,
-                "verdict": self.verdict_name}
+                "verdict": self.verdict_name, "parts": list(self.parts),
+                "needed_n": f.needed_n if f else None, "eta_s": f.eta_s if f else None,
+                "forecast": self.forecast_reason()}
 
 
 def _num(x: float) -> str:
@@ -74,6 +107,10 @@ def _signed(x: float) -> str:
     return s.replace("-", "−") if x < 0 else s
 
 
+def _score(x: float, signed: bool = False) -> str:
+    return (f"{x:+.3f}" if signed else f"{x:.3f}").replace("-", "−")
+
+
 def describe_effect(c: Comparison) -> str:
     """'−6.2 pts (94.8% → 88.6%, interval −8.9…−3.4, n=812)' or '×1.42 ($0.0010 → $0.0014, …)'."""
     if c.effect is None or c.interval is None:
@@ -83,6 +120,9 @@ def describe_effect(c: Comparison) -> str:
         vals = f"${c.stable:.6g} → ${c.candidate:.6g}, " if c.stable is not None and c.candidate is not None else ""
         hi_s = "∞" if math.isinf(hi) else f"×{hi:.2f}"
         return f"×{c.effect:.2f} ({vals}interval ×{lo:.2f}…{hi_s}, n={c.n})"
+    if c.spec.unit == "score":  # a mean of paired scores: similarity, judge preference, stability
+        vals = f"{_score(c.stable)} → {_score(c.candidate)}, " if c.stable is not None and c.candidate is not None else ""
+        return f"{_score(c.effect, signed=True)} ({vals}interval {_score(lo)}…{_score(hi)}, n={c.n})"
     vals = ""
     if c.stable is not None and c.candidate is not None:
         vals = f"{_num(100 * c.stable)}% → {_num(100 * c.candidate)}%, "
@@ -91,49 +131,198 @@ def describe_effect(c: Comparison) -> str:
     return f"{_signed(100 * c.effect)} pts ({vals}interval {lo_s}…{hi_s}, n={c.n})"
 
 
+def _effect_text(c: Comparison) -> str:
+    if c.effect is None:
+        return "no estimate"
+    if c.spec.unit == "ratio":
+        return f"×{c.effect:.2f}"
+    if c.spec.unit == "score":
+        return _score(c.effect, signed=True)
+    return f"{_signed(100 * c.effect)} pts"
+
+
+def _margin_text(spec: MetricSpec) -> str:
+    if spec.unit == "ratio":
+        return f"×{spec.margin:g}"
+    return f"{spec.margin:g}" if spec.unit == "score" else f"{100 * spec.margin:g} pts"
+
+
 def _f(x) -> float | None:
     x = float(x)
     return x if math.isfinite(x) else None
 
 
+_EST_FIELDS = ("stable", "candidate", "effect", "var", "n_stable", "n_candidate")
+
+
+def _part_source(part: Part) -> str:
+    return "live+shadow" if part.candidate_arm == POOLED_CANDIDATE else part.source
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What `evaluate` computes for a route, fixed by its config: rows are (metric, segment)."""
+
+    catalog: list[MetricSpec]
+    n_seg: int
+    n_parts: int
+    groups: list[tuple[JudgeTest, list[tuple[int, int, Part]]]]   # per test: (metric, part slot, part)
+    families: list[tuple[JudgeTest, np.ndarray]]                   # per kind of interval: its rows
+    bound: np.ndarray
+    worse_if: np.ndarray
+    ratio: np.ndarray
+    scale: np.ndarray              # the promotion side's mixing scale per row
+    alpha_each: float
+    budget: int
+
+
+_PLANS: dict[int, tuple[RouteConfig, _Plan]] = {}
+
+
+def _key(test: JudgeTest) -> object:
+    """Equal tests share one vectorised call (a test holding arrays, e.g. histogram edges, by identity)."""
+    try:
+        return hash(test), test
+    except TypeError:
+        return id(test)
+
+
+def _plan(rc: RouteConfig) -> _Plan:
+    """The route's plan, built once per config object (a reload makes a new one)."""
+    hit = _PLANS.get(id(rc))
+    if hit is not None and hit[0] is rc:
+        return hit[1]
+    catalog = build_catalog(rc)
+    n_seg = len(route_segments(rc))
+    groups: dict[object, tuple[JudgeTest, list]] = {}
+    families: dict[tuple, tuple[JudgeTest, list]] = {}
+    for i, spec in enumerate(catalog):
+        for k, part in enumerate(spec.parts):
+            groups.setdefault(_key(part.test), (part.test, []))[1].append((i, k, part))
+        # one interval call per kind of boundary and parameter space
+        kind = (spec.test.taus, spec.test.weights, spec.test.effect_range)
+        families.setdefault(kind, (spec.test, []))[1].extend(range(i * n_seg, (i + 1) * n_seg))
+    bound = np.repeat([spec.bound for spec in catalog], n_seg)
+    plan = _Plan(catalog, n_seg, max(len(spec.parts) for spec in catalog), list(groups.values()),
+                 [(test, np.array(rows)) for test, rows in families.values()], bound,
+                 np.repeat([spec.worse_if for spec in catalog], n_seg), np.repeat([s.test.ratio for s in catalog], n_seg),
+                 np.concatenate([within_scale(spec.test, np.full(n_seg, spec.bound)) for spec in catalog]),
+                 alpha_per_comparison(rc), comparisons_budget(rc))
+    if len(_PLANS) > 64:
+        _PLANS.clear()
+    _PLANS[id(rc)] = (rc, plan)
+    return plan
+
+
 def evaluate(evidence: RouteEvidence, rc: RouteConfig, boundary: Boundary | None = None,
-             alpha: float | None = None) -> list[Comparison]:
-    """Every catalog comparison in every segment that has data in both arms."""
-    boundary = boundary or MixtureBoundary()
-    alpha_each = alpha if alpha is not None else alpha_per_comparison(rc)
+             alpha: float | None = None, now: float | None = None) -> list[Comparison]:
+    """Every catalog comparison in every segment that has data in both arms.
+
+    Each metric's parts (live, paired shadow) are estimated with one vectorised call per test over
+    all metrics and segments, combined by inverse-variance weights, and judged in one call per kind
+    of interval: the end that decides a rollback at alpha / K, the end that decides promotion at the
+    route's alpha (comparisons.interval). With `now`, every comparison that blocks promotion (enough
+    samples to gate, not yet within) gets a forecast at the current window's traffic.
+    """
     if not evidence.windows:
         return []
-    n_seg = len(evidence.segments)
-    catalog = build_catalog(rc)
-    # Specs sharing a test are judged in one vectorised call: (specs × segments, windows, fields).
-    groups: dict[int, list[tuple[int, MetricSpec]]] = {}
-    for order, spec in enumerate(catalog):
-        groups.setdefault(id(spec.test), []).append((order, spec))
-    found: dict[tuple[int, int], Comparison] = {}
-    for members in groups.values():
-        specs = [spec for _, spec in members]
-        arms = [evidence.arms(spec) for spec in specs]
-        s_arr = np.concatenate([a[0] for a in arms])
-        c_arr = np.concatenate([a[1] for a in arms])
-        bound = np.repeat([spec.bound for spec in specs], n_seg)
-        worse_if = np.repeat([spec.worse_if for spec in specs], n_seg)
-        res = compare(specs[0].test, boundary, s_arr, c_arr, alpha_each, bound, worse_if)
-        est = res.estimate
-        no_events = specs[0].test.no_events(s_arr, c_arr)  # left out rather than reported as a comparison
-        for k, (order, spec) in enumerate(members):
-            for j, seg in enumerate(evidence.segments):
-                i = k * n_seg + j
-                n_c, n_s = int(est.n_candidate[i]), int(est.n_stable[i])
-                if n_c == 0 or n_s == 0 or no_events[i] or not math.isfinite(float(est.effect[i])):
-                    continue
-                lo, hi = float(res.lo[i]), float(res.hi[i])
-                effect = float(est.effect[i])
-                if spec.unit == "ratio":
-                    effect, lo, hi = math.exp(effect), math.exp(lo), math.exp(min(hi, 700.0))
-                found[order, j] = Comparison(
-                    spec=spec, segment=seg, stable=_f(est.stable[i]), candidate=_f(est.candidate[i]),
-                    effect=effect, interval=(lo, hi), n=n_c, n_stable=n_s, verdict=int(res.verdict[i]))
-    return [found[key] for key in sorted(found)]  # catalog order, then segment order
+    boundary = boundary or MixtureBoundary()
+    plan = _plan(rc)
+    alpha_worse = alpha if alpha is not None else plan.alpha_each
+    alpha_within = rc.rollout.alpha
+    parts_est, no_events, inputs = _part_estimates(evidence, plan)
+    combined = stats.combine_estimates(parts_est, log_values=plan.ratio)
+    rows = len(plan.bound)
+    lo, hi, verdict = np.full(rows, np.nan), np.full(rows, np.nan), np.full(rows, INCONCLUSIVE)
+    for test, idx in plan.families:
+        sub = stats.Estimate(*(getattr(combined, name)[idx] for name in _EST_FIELDS))
+        res = interval(test, boundary, sub, alpha_worse, alpha_within, plan.bound[idx], plan.worse_if[idx],
+                       within_scales=((plan.scale[idx],), (1.0,)))
+        lo[idx], hi[idx], verdict[idx] = res.lo, res.hi, res.verdict
+    has = (combined.n_candidate > 0) & (combined.n_stable > 0) & ~no_events.all(axis=0) & np.isfinite(combined.effect)
+    forecasts: dict[int, Forecast] = {}
+    need = rc.rollout.min_samples_per_step
+    blocking = has & (verdict != WITHIN) & (combined.n_candidate >= need) & (combined.n_stable >= need)
+    if now is not None and blocking.any():
+        forecasts = _forecasts(np.flatnonzero(blocking), combined, plan, alpha_within, inputs,
+                               now - evidence.current.start)
+    return _comparisons(plan, evidence.segments, np.flatnonzero(has), combined, parts_est, lo, hi, verdict,
+                        forecasts)
+
+
+def _comparisons(plan: _Plan, segments: list[str], rows: np.ndarray, combined: stats.Estimate,
+                 parts_est: list[stats.Estimate], lo: np.ndarray, hi: np.ndarray, verdict: np.ndarray,
+                 forecasts: dict[int, Forecast]) -> list[Comparison]:
+    """The Comparison records of the rows with data, in catalog order, then segment order."""
+    c = {name: getattr(combined, name)[rows].tolist() for name in _EST_FIELDS}
+    per_part = [{name: getattr(est, name)[rows].tolist() for name in ("effect", "n_stable", "n_candidate")}
+                for est in parts_est]
+    lo_l, hi_l, verdict_l = lo[rows].tolist(), hi[rows].tolist(), verdict[rows].tolist()
+    out = []
+    for j, r in enumerate(rows.tolist()):
+        spec = plan.catalog[r // plan.n_seg]
+        effect, lo_r, hi_r = c["effect"][j], lo_l[j], hi_l[j]
+        ratio = spec.unit == "ratio"
+        if ratio:
+            effect, lo_r, hi_r = math.exp(effect), math.exp(lo_r), math.exp(min(hi_r, 700.0))
+        parts = tuple({"source": _part_source(part),
+                       "effect": _f(math.exp(p["effect"][j]) if ratio else p["effect"][j]),
+                       "n": int(p["n_candidate"][j]), "n_stable": int(p["n_stable"][j])}
+                      for part, p in zip(spec.parts, per_part) if p["n_candidate"][j] > 0 and p["n_stable"][j] > 0)
+        sources = {src for part in parts for src in part["source"].split("+")}
+        out.append(Comparison(
+            spec=spec, segment=segments[r % plan.n_seg], stable=_f(c["stable"][j]), candidate=_f(c["candidate"][j]),
+            effect=effect, interval=(lo_r, hi_r), n=int(c["n_candidate"][j]), n_stable=int(c["n_stable"][j]),
+            verdict=int(verdict_l[j]), source="+".join(x for x in ("live", "shadow") if x in sources) or spec.source,
+            parts=parts, forecast=forecasts.get(r)))
+    return out
+
+
+def _part_estimates(evidence: RouteEvidence, plan: _Plan):
+    """Every part's estimate in every segment, one vectorised call per test: (estimates per part slot
+    (metrics × segments rows), whether nothing happened there, the inputs by test for forecasts)."""
+    rows, n_seg = len(plan.bound), plan.n_seg
+    slots = [{k: np.full(rows, np.inf if k == "var" else (0.0 if k.startswith("n_") else np.nan))
+              for k in _EST_FIELDS} for _ in range(plan.n_parts)]
+    no_events = np.ones((plan.n_parts, rows), dtype=bool)
+    inputs = []
+    for test, members in plan.groups:
+        s_arr, c_arr = evidence.arms_of([part for _, _, part in members])
+        est = test.estimate(s_arr, c_arr)
+        ne = test.no_events(s_arr, c_arr)
+        for m, (i, k, _) in enumerate(members):
+            dst, src = slice(i * n_seg, (i + 1) * n_seg), slice(m * n_seg, (m + 1) * n_seg)
+            for name in _EST_FIELDS:
+                slots[k][name][dst] = getattr(est, name)[src]
+            no_events[k, dst] = ne[src]
+        inputs.append((test, members, s_arr, c_arr))
+    return [stats.Estimate(**slot) for slot in slots], no_events, inputs
+
+
+def _forecasts(rows: np.ndarray, combined: stats.Estimate, plan: _Plan, alpha_within: float, inputs: list,
+               age_s: float) -> dict[int, Forecast]:
+    """Forecasts of the blocking rows, from each part's estimate on the current window alone."""
+    n_seg = plan.n_seg
+    info = np.zeros(len(rows))
+    n_now = np.zeros(len(rows))
+    where = {int(r): j for j, r in enumerate(rows)}
+    for test, members, s_arr, c_arr in inputs:
+        pick, dest = [], []
+        for m, (i, _, _) in enumerate(members):
+            for seg in range(n_seg):
+                j = where.get(i * n_seg + seg)
+                if j is not None:
+                    pick.append(m * n_seg + seg)
+                    dest.append(j)
+        if not pick:
+            continue
+        est = test.estimate(s_arr[pick][:, -1:], c_arr[pick][:, -1:])
+        ok = np.isfinite(est.var) & (est.var > 0)
+        np.add.at(info, dest, np.where(ok, 1.0 / np.where(ok, est.var, 1.0), 0.0))
+        np.add.at(n_now, dest, np.where(ok, est.n_candidate, 0))
+    found = forecast(combined.effect[rows], combined.var[rows], plan.bound[rows], plan.worse_if[rows] == "above",
+                     alpha_within, plan.scale[rows], info, n_now, age_s, combined.n_candidate[rows].astype(float))
+    return {int(r): f for r, f in zip(rows, found)}
 
 
 def rule(any_worse, step_ready, last_step, promote_ok, past_max, rollback_on_inconclusive):
@@ -159,7 +348,7 @@ def gating(c: Comparison, rc: RouteConfig) -> bool:
     return c.n >= need and c.n_stable >= need
 
 
-def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], step_samples: int,
+def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], step_samples: int,  # noqa: C901 - the decision rule in its order (samples, time, worse, better); splitting hides it
            now: float | None = None) -> LastDecision | None:
     """The judge's verdict for a route in shadow or canary; None for other phases."""
     now = time.time() if now is None else now
@@ -210,8 +399,12 @@ def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], 
         if not primary:
             lines.append(f"{where}: overall completion rate has fewer than {ro.min_samples_per_step} samples per arm")
         if pending:
-            lines.append(f"{where}: waiting for non-inferiority in {len(pending)} of {len(gates)} comparisons")
-            lines += [c.reason() for c in _widest_first(pending)[:MAX_HOLD_REASONS]]
+            etas = [c.forecast.eta_s if c.forecast else None for c in pending]
+            when = (f"; promotion possible in ~{duration_text(max(etas))} at current traffic"
+                    if all(e is not None for e in etas) else "")
+            lines.append(f"{where}: waiting for non-inferiority in {len(pending)} of {len(gates)} comparisons{when}")
+            for c in _slowest_first(pending)[:MAX_HOLD_REASONS]:
+                lines += [line for line in (c.forecast_reason(), c.reason()) if line]
             if len(pending) > MAX_HOLD_REASONS:
                 lines.append(f"(+{len(pending) - MAX_HOLD_REASONS} more)")
     if past_max:
@@ -235,14 +428,18 @@ def _progress(samples: int, needed: int, age: float, min_s: float, shadow: bool,
     return [f"{prefix}{samples}/{needed} {kind}, {min(age, min_s):.0f}/{min_s:g} s"]
 
 
-def _widest_first(cs: list[Comparison]) -> list[Comparison]:
-    """Pending comparisons with the widest intervals (furthest from being shown) first."""
-    def width(c: Comparison) -> float:
-        if c.interval is None:
-            return math.inf
-        lo, hi = c.interval
-        return hi - lo
-    return sorted(cs, key=width, reverse=True)
+def _slowest_first(cs: list[Comparison]) -> list[Comparison]:
+    """Blocking comparisons, the furthest from being shown first: not reachable at the current effect,
+    then the longest forecast, then the widest interval."""
+    def key(c: Comparison) -> tuple:
+        f = c.forecast
+        width = (c.interval[1] - c.interval[0]) if c.interval else math.inf
+        if f is None:
+            return (1, 0.0, -width)
+        if f.needed_n is None:
+            return (0, 0.0, -width)
+        return (1, -(f.eta_s if f.eta_s is not None else float(f.needed_n)), -width)
+    return sorted(cs, key=key)
 
 
 @dataclass
@@ -252,14 +449,16 @@ class Judgement:
     alpha_each: float
     budget: int
     step_samples: int
+    alpha_within: float | None = None
 
     def report(self) -> dict:
-        """report["judge"]: the verdict per metric and segment."""
+        """report["judge"]: the verdict per metric and segment, with the forecast of each blocking one."""
         d = self.decision
         return {
             "decision": d.decision if d else None,
             "reasons": d.reasons if d else [],
-            "alpha_per_comparison": self.alpha_each,
+            "alpha_per_comparison": self.alpha_each,       # rollback side: alpha / K
+            "alpha_within": self.alpha_within,             # promotion side: each comparison at the full alpha
             "comparisons_budget": self.budget,
             "step_samples": self.step_samples,
             "counts": {name: sum(1 for c in self.comparisons if c.verdict == code)
@@ -270,10 +469,13 @@ class Judgement:
 
 def judge(state: RolloutState, rc: RouteConfig, evidence: RouteEvidence, now: float | None = None,
           boundary: Boundary | None = None) -> Judgement:
-    comparisons = evaluate(evidence, rc, boundary)
-    samples = evidence.step_samples(state.phase if state.phase != "paused" else (state.paused_from or "canary"))
+    now = time.time() if now is None else now
+    phase = state.phase if state.phase != "paused" else (state.paused_from or "canary")
+    comparisons = evaluate(evidence, rc, boundary, now=now if phase == "canary" else None)
+    samples = evidence.step_samples(phase)
     decision = decide(state, rc, comparisons, samples, now)
-    return Judgement(decision, comparisons, alpha_per_comparison(rc), comparisons_budget(rc), samples)
+    plan = _plan(rc)
+    return Judgement(decision, comparisons, plan.alpha_each, plan.budget, samples, rc.rollout.alpha)
 
 
 def analysis(state: RolloutState) -> dict:

@@ -40,6 +40,7 @@ summary() format (all numbers are floats or None when there is no data):
           "evaluations": {"<evaluator>": {"pass": int, "fail": int, "error": int,
                                           "pass_rate": P, "mean_score": float | None}},
           "examples": {"<cause>": [request_id, ...]},   # up to 3 per candidate failure cause
+          "quality": {...},            # similarity, pairwise judge, stability (service.judge.quality)
         },
       },
     }
@@ -56,9 +57,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from service.judge.quality import Quality
 from service.recent import Recent
 from service.records import EvaluationRecord
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 CONFIDENCE = 0.95
 Z = 1.959963984540054
@@ -194,6 +200,17 @@ class _Evaluator:
     score_sum: float = 0.0
     scored: int = 0
 
+    def add(self, passed: bool | None, score: float | None) -> None:
+        if passed is True:
+            self.passed += 1
+        elif passed is False:
+            self.failed += 1
+        else:
+            self.errors += 1
+        if score is not None:
+            self.scored += 1
+            self.score_sum += score
+
 
 @dataclass
 class Segment:
@@ -213,9 +230,24 @@ class Segment:
     stable_cost: RatioSums = field(default_factory=RatioSums)
     evaluations: dict[str, _Evaluator] = field(default_factory=dict)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    quality: Quality = field(default_factory=Quality)
 
     def add(self, r: EvaluationRecord) -> None:
         self.n += 1
+        self._add_candidate(r)
+        self._add_stable(r)
+        self.quality.add(r)
+        a = r.agreement
+        if a.candidate_vs_stable is not None:
+            self.agree_n += 1
+            self.agree += int(a.candidate_vs_stable)
+        if a.stable_vs_stable is not None:
+            self.floor_n += 1
+            self.floor += int(a.stable_vs_stable)
+        for e in r.evaluations:
+            self.evaluations.setdefault(e.name, _Evaluator()).add(e.passed, e.score)
+
+    def _add_candidate(self, r: EvaluationRecord) -> None:
         cand = r.candidate
         completed = cand.outcome == "completed"
         if completed:
@@ -228,6 +260,8 @@ class Segment:
             if len(ids) < EXAMPLES:
                 ids.append(r.request_id)
         self.cand_cost.add(cand.cost_usd or 0.0, 1.0 if completed else 0.0)
+
+    def _add_stable(self, r: EvaluationRecord) -> None:
         again = r.stable_again
         if again is not None:
             self.replay_n += 1
@@ -239,24 +273,6 @@ class Segment:
             self.stable_latency.add(r.stable_latency_s)
         if r.stable_cost_usd is not None:
             self.stable_cost.add(r.stable_cost_usd, 1.0)
-        a = r.agreement
-        if a.candidate_vs_stable is not None:
-            self.agree_n += 1
-            self.agree += int(a.candidate_vs_stable)
-        if a.stable_vs_stable is not None:
-            self.floor_n += 1
-            self.floor += int(a.stable_vs_stable)
-        for e in r.evaluations:
-            acc = self.evaluations.setdefault(e.name, _Evaluator())
-            if e.passed is True:
-                acc.passed += 1
-            elif e.passed is False:
-                acc.failed += 1
-            else:
-                acc.errors += 1
-            if e.score is not None:
-                acc.scored += 1
-                acc.score_sum += e.score
 
     def summary(self, replay: bool) -> dict:
         if replay:
@@ -289,6 +305,7 @@ class Segment:
                 for name, e in sorted(self.evaluations.items())
             },
             "examples": {c: list(ids) for c, ids in sorted(self.examples.items())},
+            "quality": self.quality.summary(),
         }
 
 
@@ -364,7 +381,7 @@ def _num(q: dict | None, fmt: str) -> str:
     return text
 
 
-def shadow_table(summary: dict):
+def shadow_table(summary: dict) -> Table:
     """A rich Table: one row per segment, stable vs candidate with 95% intervals."""
     from rich.table import Table
 
@@ -388,7 +405,7 @@ def shadow_table(summary: dict):
     return table
 
 
-def failures_table(summary: dict):
+def failures_table(summary: dict) -> Table:
     """A rich Table: failure rate per cause and segment, with example request ids."""
     from rich.table import Table
 

@@ -23,6 +23,13 @@ Method (docs/judge.md has the derivation and the guarantee):
   et al. 2021 (time-uniform CLT), because V is a plug-in estimate.
   `multi_scale_radius` mixes a few τ with prior weights, so that small effects
   on much data and large effects on little data are both caught quickly.
+  Every decision is one-sided (rollback: "worse than the margin", promotion:
+  "within it"); `one_sided` gives the two-sided level whose boundary bounds
+  one side at α.
+* Evidence of different sources for one effect (live canary outcomes, paired
+  shadow records) is combined by inverse-variance weights (`combine_estimates`).
+* Live requests of one session are correlated (assignment is sticky): the
+  variances take per-session sums (`cluster_design_effect`, `mean_design_effect`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from scipy import stats as _st
 
 __all__ = [
     "Estimate",
+    "cluster_design_effect",
+    "combine_estimates",
+    "few_sessions",
     "combine_windows",
     "fixed_radius",
     "histogram_quantile",
@@ -42,8 +52,10 @@ __all__ = [
     "mixture_radius",
     "multi_scale_radius",
     "optimal_tau",
+    "paired_mean_difference",
     "proportion_difference",
     "share_above_reference_quantile",
+    "variance_for_radius",
     "wilson_interval",
 ]
 
@@ -72,10 +84,11 @@ def mixture_radius(var: np.ndarray | float, alpha: float, tau: float) -> np.ndar
 
     Valid simultaneously over all looks: P(∃t: |θ̂_t − θ| > radius_t) ≤ alpha.
     `tau` is the mixing standard deviation in effect units (the effect size the
-    boundary is tightest for). var = inf (no data) gives inf; var = 0 gives 0.
+    boundary is tightest for; an array broadcasts with `var`). var = inf (no data)
+    gives inf; var = 0 gives 0.
     """
     v = np.asarray(var, dtype=float)
-    t2 = float(tau) ** 2
+    t2 = np.asarray(tau, dtype=float) ** 2
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         r = np.sqrt(v * (v + t2) / t2 * (2.0 * np.log(1.0 / alpha) + np.log1p(t2 / v)))
     r = np.where(v <= 0, 0.0, r)
@@ -97,6 +110,34 @@ def multi_scale_radius(var: np.ndarray | float, alpha: float, taus: tuple[float,
         raise ValueError("mixture weights must sum to at most 1")
     radii = [mixture_radius(var, alpha * w, t) for t, w in zip(taus, weights)]
     return np.minimum.reduce(radii) if len(radii) > 1 else radii[0]
+
+
+def one_sided(alpha: float) -> float:
+    """The two-sided level whose boundary bounds ONE side at `alpha`: 2α / (1 + α).
+
+    The two-sided mixture martingale is M = (M⁺ + M⁻)/2, M± mixing over λ ≷ 0 only (each a test
+    martingale). Where the estimate is above θ, M⁻ ≤ 1, so M ≥ 1/α' gives M⁺ ≥ 2/α' − 1 = 1/α, and
+    Ville's inequality on M⁺ bounds the chance of ever crossing that side by α. The same holds for a
+    discrete mixture over scales (`multi_scale_radius`): Σ w_j M⁻_j ≤ Σ w_j ≤ 1.
+    """
+    return 2.0 * alpha / (1.0 + alpha)
+
+
+def variance_for_radius(distance: np.ndarray, alpha: float, tau: np.ndarray, iterations: int = 12) -> np.ndarray:
+    """The variance V at which mixture_radius(V, alpha, tau) equals `distance` (> 0; nan elsewhere).
+
+    Fixed-point iteration on V = d² τ² / ((V + τ²)(2 log(1/α) + log(1 + τ²/V))): the right side
+    changes slowly with V (elasticity ≪ 1), so a dozen rounds are exact to far below a percent.
+    """
+    d = np.asarray(distance, dtype=float)
+    t2 = np.asarray(tau, dtype=float) ** 2
+    L = 2.0 * np.log(1.0 / alpha)
+    ok = np.isfinite(d) & (d > 0)
+    d2 = np.where(ok, d, 1.0) ** 2
+    v = d2 / (L + 2.0)
+    for _ in range(iterations):
+        v = d2 * t2 / ((v + t2) * (L + np.log1p(t2 / v)))
+    return np.where(ok, v, np.nan)
 
 
 def optimal_tau(var_at: float, alpha: float) -> float:
@@ -151,16 +192,101 @@ def combine_windows(h: np.ndarray, value_s: np.ndarray, value_c: np.ndarray,
     )
 
 
+def combine_estimates(parts: list[Estimate], log_values: bool | np.ndarray = False) -> Estimate:
+    """One effect from independent estimates of it (strata of different sources), inverse-variance weighted.
+
+    The arms' values are averaged with the same weights (their logs where `log_values`, a bool or
+    one per element: ratio estimates, whose `stable`/`candidate` are not logged), so effect ==
+    candidate − stable still holds. A part without data (infinite variance) gets no weight; counts
+    add up.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    var = np.stack([np.asarray(p.var, dtype=float) for p in parts])
+    used = np.isfinite(var)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = np.where(used, 1.0 / np.maximum(var, 1e-300), 0.0)
+        W = w.sum(axis=0)
+
+        def mix(values: list[np.ndarray]) -> np.ndarray:
+            x = np.stack([np.asarray(v, dtype=float) for v in values])
+            return (w * np.where(used, x, 0.0)).sum(axis=0) / W
+
+        logs = np.asarray(log_values, dtype=bool)
+        stable, candidate = (
+            np.where(logs, np.exp(mix([np.log(getattr(p, side)) for p in parts])) if logs.any() else 0.0,
+                     mix([getattr(p, side) for p in parts]))
+            for side in ("stable", "candidate"))
+        effect = mix([p.effect for p in parts])
+        out_var = 1.0 / W
+    empty = W <= 0
+    nan = np.full(np.shape(W), np.nan)
+    return Estimate(
+        stable=np.where(empty, nan, stable), candidate=np.where(empty, nan, candidate),
+        effect=np.where(empty, nan, effect), var=np.where(empty, np.inf, out_var),
+        n_stable=sum(np.asarray(p.n_stable) for p in parts).astype(np.int64),
+        n_candidate=sum(np.asarray(p.n_candidate) for p in parts).astype(np.int64),
+    )
+
+
+# ---- sessions as clusters ---------------------------------------------------------------------------
+
+def few_sessions(size: np.ndarray, size_sq: np.ndarray) -> np.ndarray:
+    """The small-sample factor G/(G − 1) of a cluster-robust variance (CR1), G = (Σ_j N_j)² / Σ_j N_j²
+    the effective number of sessions (at most the actual number): ∞ for one session, which tells
+    nothing about the variance between sessions; exactly 1 when every request is its own session."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g = size * size / size_sq
+        factor = np.where(g > 1.0, g / (g - 1.0), np.inf)
+    return np.where(size_sq > size * (1 + 1e-12), factor, 1.0)
+
+
+def cluster_design_effect(n: np.ndarray, x: np.ndarray, nn: np.ndarray, xn: np.ndarray,
+                          xx: np.ndarray) -> np.ndarray:
+    """Variance of a rate with sessions as clusters over its binomial variance, per arm (≥ 1).
+
+    Windows on the last axis, pooled (like the rates behind the variances). With per-session sums
+    N_j (requests) and X_j (events): Σ_j (X_j − p̂ N_j)² / (N p̂ (1 − p̂)), the delta method for the
+    ratio X/N, times `few_sessions`. Each request its own session gives exactly 1. Returned with a
+    kept last axis.
+    """
+    N, X, NN, XN, XX = (np.asarray(a, dtype=float).sum(axis=-1, keepdims=True) for a in (n, x, nn, xn, xx))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = X / N
+        clustered = XX - 2.0 * p * XN + p * p * NN
+        binomial = N * p * (1.0 - p)
+        deff = clustered / binomial
+    return np.where((binomial > 0) & np.isfinite(deff), np.maximum(deff, 1.0), 1.0) * few_sessions(N, NN)
+
+
+def mean_design_effect(n: np.ndarray, sy: np.ndarray, syy: np.ndarray, yy: np.ndarray, yn: np.ndarray,
+                       nn: np.ndarray) -> np.ndarray:
+    """The same for a mean of values y: Σ_j (Y_j − ȳ N_j)² / Σ (y − ȳ)², per arm (≥ 1), times `few_sessions`.
+
+    Fields per window: n, Σy, Σy², then the per-session Σ_j Y_j², Σ_j Y_j N_j, Σ_j N_j².
+    """
+    N, SY, SYY, YY, YN, NN = (np.asarray(a, dtype=float).sum(axis=-1, keepdims=True)
+                              for a in (n, sy, syy, yy, yn, nn))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m = SY / N
+        clustered = YY - 2.0 * m * YN + m * m * NN
+        iid = SYY - N * m * m
+        deff = clustered / iid
+    return np.where((iid > 0) & np.isfinite(deff), np.maximum(deff, 1.0), 1.0) * few_sessions(N, NN)
+
+
 # ---- proportions -------------------------------------------------------------------------------
 
-def proportion_difference(x_s: np.ndarray, n_s: np.ndarray, x_c: np.ndarray, n_c: np.ndarray) -> Estimate:
+def proportion_difference(x_s: np.ndarray, n_s: np.ndarray, x_c: np.ndarray, n_c: np.ndarray,
+                          deff_s: np.ndarray | float = 1.0, deff_c: np.ndarray | float = 1.0) -> Estimate:
     """Difference of two proportions (candidate − stable), stratified by window (last axis).
 
     Per-window variances use each arm's rate over all windows with one success
     and one failure added (Agresti–Caffo), so a window or an arm with no events
     never yields a zero variance (the Wald interval's failure on rare events),
     floored at the two arms' pooled rate's variance (an arm that looks
-    unusually good by chance must not narrow its own interval).
+    unusually good by chance must not narrow its own interval), times the arm's
+    design effect (`cluster_design_effect`, shape (..., 1); 1: independent requests).
     """
     x_s, n_s, x_c, n_c = (np.asarray(a, dtype=float) for a in (x_s, n_s, x_c, n_c))
     Xs, Ns = x_s.sum(axis=-1, keepdims=True), n_s.sum(axis=-1, keepdims=True)
@@ -175,7 +301,8 @@ def proportion_difference(x_s: np.ndarray, n_s: np.ndarray, x_c: np.ndarray, n_c
         p_c = x_c / n_c
         # An arm that looks unusually good (rate near 0 or 1) has a small plug-in variance; flooring
         # each arm's variance at the pooled one keeps the interval honest in that direction too.
-        var_k = np.maximum(ps_bar * (1 - ps_bar), v_pool) / n_s + np.maximum(pc_bar * (1 - pc_bar), v_pool) / n_c
+        var_k = (deff_s * np.maximum(ps_bar * (1 - ps_bar), v_pool) / n_s
+                 + deff_c * np.maximum(pc_bar * (1 - pc_bar), v_pool) / n_c)
     return combine_windows(h, p_s, p_c, var_k, n_s, n_c)
 
 
@@ -225,10 +352,13 @@ def histogram_quantile(counts: np.ndarray, edges: np.ndarray, q: float) -> np.nd
 
 
 def histogram_share_above(counts: np.ndarray, edges: np.ndarray, threshold: np.ndarray) -> np.ndarray:
-    """How many histogrammed values exceed `threshold` (same leading shape), log-linear inside a bin."""
+    """How many histogrammed values exceed `threshold`, log-linear inside a bin.
+
+    `threshold` has the leading shape of `counts` or broadcasts to it (several histograms against
+    one threshold: stack them on a leading axis)."""
     counts = np.asarray(counts, dtype=float)
     edges = np.asarray(edges, dtype=float)
-    thr = np.asarray(threshold, dtype=float)
+    thr = np.broadcast_to(np.asarray(threshold, dtype=float), counts.shape[:-1])
     safe_thr = np.where(np.isfinite(thr), thr, edges[0])
     idx = np.clip(np.searchsorted(edges, safe_thr, side="right") - 1, 0, counts.shape[-1] - 1)[..., None]
     lo = edges[idx]
@@ -239,15 +369,15 @@ def histogram_share_above(counts: np.ndarray, edges: np.ndarray, threshold: np.n
         frac_log = np.log(t / np.where(lo > 0, lo, 1.0)) / np.log(np.where(log_ok, hi / np.where(lo > 0, lo, 1.0), 2.0))
         frac_lin = np.where(np.isfinite(hi), (t - lo) / (hi - lo), 0.0)
     frac_below = np.clip(np.where(log_ok, frac_log, frac_lin), 0.0, 1.0)
-    cum = np.cumsum(counts, axis=-1)
-    above_bins = cum[..., -1:] - np.take_along_axis(cum, idx, axis=-1)  # count in bins > idx
+    above_bins = (counts * (np.arange(counts.shape[-1]) > idx)).sum(axis=-1, keepdims=True)  # bins > idx
     partial = np.take_along_axis(counts, idx, axis=-1) * (1.0 - frac_below)
     out = (above_bins + partial)[..., 0]
     return np.where(np.isfinite(thr), out, 0.0)
 
 
 def share_above_reference_quantile(hist_s: np.ndarray, hist_c: np.ndarray, edges: np.ndarray,
-                                   q: float = 0.95) -> Estimate:
+                                   q: float = 0.95, deff_s: np.ndarray | float = 1.0,
+                                   deff_c: np.ndarray | float = 1.0) -> Estimate:
     """Share of candidate values above the stable's q-quantile, against the stable's own (1 − q).
 
     Per window (axis −2; bins on the last axis) the threshold is the stable's
@@ -255,7 +385,8 @@ def share_above_reference_quantile(hist_s: np.ndarray, hist_c: np.ndarray, edges
     share above its own quantile is 1 − q by construction; its sampling noise
     enters through the estimated threshold, which contributes q(1 − q)/n_s to the
     variance exactly as a second binomial arm would (delta method, equal
-    densities), so the comparison is a two-proportion comparison.
+    densities), so the comparison is a two-proportion comparison. The design
+    effects (shape (..., 1)) account for sessions (`mean_design_effect` of log latency).
     """
     hist_s = np.asarray(hist_s, dtype=float)
     hist_c = np.asarray(hist_c, dtype=float)
@@ -263,40 +394,94 @@ def share_above_reference_quantile(hist_s: np.ndarray, hist_c: np.ndarray, edges
     n_c = hist_c.sum(axis=-1)
     thr = histogram_quantile(hist_s, edges, q)
     above_c = histogram_share_above(hist_c, edges, np.where(n_s > 0, thr, np.inf))
-    return proportion_difference((1.0 - q) * n_s, n_s, above_c, n_c)
+    return proportion_difference((1.0 - q) * n_s, n_s, above_c, n_c, deff_s, deff_c)
+
+
+def paired_share_above(hist_s: np.ndarray, hist_pairs: np.ndarray, edges: np.ndarray, q: float = 0.95) -> Estimate:
+    """Paired: share of requests where the candidate is slower than the stable's q-quantile, minus the
+    stable's own share, on pairs of latencies of the same requests (windows on axis −2 of `hist_s`).
+
+    `hist_s` is the stable side's histogram (…, bins); `hist_pairs` (…, 3, bins) the candidate's,
+    then each pair's minimum, then its maximum. For a threshold t, d = 1[c > t] − 1[s > t] per
+    pair; Σd comes from the two marginal histograms and Σd² (pairs with exactly one side above t)
+    from the min and max: #(max > t) − #(min > t). The threshold is the stable's quantile in the
+    window, estimated from the same pairs; its noise is in d itself (the stable's indicator),
+    exactly so at equal densities (Bahadur), as in `share_above_reference_quantile`.
+    """
+    hist_s = np.asarray(hist_s, dtype=float)
+    n = hist_s.sum(axis=-1)
+    thr = np.where(n > 0, histogram_quantile(hist_s, edges, q), np.inf)
+    above_s = histogram_share_above(hist_s, edges, thr)
+    above = histogram_share_above(hist_pairs, edges, thr[..., None])
+    above_c, above_min, above_max = above[..., 0], above[..., 1], above[..., 2]
+    one_side = np.maximum(above_max - above_min, np.abs(above_c - above_s))
+    fields = np.stack([n, above_c - above_s, one_side, above_c, above_s], axis=-1)
+    return paired_mean_difference(fields, prior_sd=1.0)
+
+
+# ---- paired differences (one per shadowed request) ----------------------------------------------
+
+def paired_mean_difference(fields: np.ndarray, prior_sd: float) -> Estimate:
+    """Mean of per-request differences d = candidate − stable, stratified by window.
+
+    Fields on the last axis: (n, Σd, Σd², Σcandidate, Σstable), windows on the axis before. Each
+    request gives one difference, so the two sides' shared noise cancels (a paired design: tighter
+    than two independent arms when they agree on most requests). Windows are weighted by their
+    pair counts; the variance of one difference is pooled over windows, with one pseudo-observation
+    `prior_sd` away from the mean added, so that a run of identical differences (all ties) never
+    gives a zero variance and an interval of zero width.
+    """
+    f = np.asarray(fields, dtype=float)
+    n, sd, sdd, sc, ss = (f[..., i] for i in range(5))
+    N = n.sum(axis=-1, keepdims=True)
+    D = sd.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        squares = np.maximum(sdd.sum(axis=-1, keepdims=True) - np.where(N > 0, D * D / N, 0.0), 0.0)
+        unit_var = (squares + prior_sd ** 2) / (N + 1.0)
+        var_k = unit_var / n
+        mean_c = sc / n
+        mean_s = ss / n
+    return combine_windows(np.where(n > 0, n, 0.0), mean_s, mean_c, var_k, n, n)
 
 
 # ---- ratio of means (cost per completed request) ------------------------------------------------
 
-def log_ratio_of_means(stable: np.ndarray, candidate: np.ndarray) -> Estimate:
+def log_ratio_of_means(stable: np.ndarray, candidate: np.ndarray, cross: np.ndarray | None = None) -> Estimate:
     """log( (Σcost/Σcompleted)_candidate / (Σcost/Σcompleted)_stable ), stratified by window.
 
-    Fields on the last axis: (n, Σc, Σc², Σd, Σcd) with c the request's cost and
-    d ∈ {0, 1} whether it completed; windows on the axis before. The variance is
-    the delta method on log(mean c) − log(mean d) per arm, with per-arm moments
-    pooled over windows. `stable`/`candidate` in the result are the arms' cost
-    per completion (not logged); `effect` is the log ratio.
+    Fields on the last axis: (n, ΣC, ΣC², ΣD, ΣCD, ΣD²) with C and D a session's cost and
+    completed requests (a request without a session is its own: C² = c², D² = d); windows
+    on the axis before. The variance is the delta method on log ΣC − log ΣD per arm, with
+    per-arm moments pooled over windows. With `cross` the arms are paired (the same requests,
+    shadow records): fields (Σc c_s, Σc d_s, Σd c_s, Σd d_s) per window, and the variance per
+    pair takes the covariance of the two arms. `stable`/`candidate` in the result are the arms'
+    cost per completion (not logged); `effect` is the log ratio.
     """
     out = []
     for arm in (np.asarray(stable, dtype=float), np.asarray(candidate, dtype=float)):
-        n, sc, sc2, sd, scd = (arm[..., i] for i in range(5))
+        n, sc, scc, sd, scd, sdd = (arm[..., i] for i in range(6))
         N = n.sum(axis=-1, keepdims=True)
+        C, D = sc.sum(axis=-1, keepdims=True), sd.sum(axis=-1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
-            mc = sc.sum(axis=-1, keepdims=True) / N
-            md = sd.sum(axis=-1, keepdims=True) / N
-            vc = sc2.sum(axis=-1, keepdims=True) / N - mc ** 2
-            vd = md * (1 - md)
-            cov = scd.sum(axis=-1, keepdims=True) / N - mc * md
-            unit_var = np.maximum(vc / mc ** 2 + vd / md ** 2 - 2 * cov / (mc * md), 0.0)
-            ratio_k = (sc / n) / (sd / n)
+            DD = sdd.sum(axis=-1, keepdims=True)
+            unit_var = np.maximum(N * (scc.sum(axis=-1, keepdims=True) / C ** 2
+                                       - 2 * scd.sum(axis=-1, keepdims=True) / (C * D) + DD / D ** 2), 0.0)
+            unit_var = unit_var * few_sessions(D, DD)  # sessions: effective number from completions
+            ratio_k = sc / sd
             ok = (n > 0) & (sc > 0) & (sd > 0)
-        out.append((n, ratio_k, unit_var, ok))
-    (n_s, r_s, u_s, ok_s), (n_c, r_c, u_c, ok_c) = out
-    h = np.where(ok_s & ok_c, cmh_weights(n_c, n_s), 0.0)
+        out.append((n, ratio_k, unit_var, ok, N, C, D))
+    (n_s, r_s, u_s, ok_s, N_s, C_s, D_s), (n_c, r_c, u_c, ok_c, _, C_c, D_c) = out
     with np.errstate(divide="ignore", invalid="ignore"):
+        if cross is None:
+            var_k = u_s / n_s + u_c / n_c
+        else:
+            x = np.asarray(cross, dtype=float).sum(axis=-2)
+            cov = N_s * (x[..., 0:1] / (C_c * C_s) - x[..., 1:2] / (C_c * D_s) - x[..., 2:3] / (D_c * C_s)
+                         + x[..., 3:4] / (D_c * D_s))
+            var_k = np.maximum(u_s + u_c - 2 * cov, 0.0) / n_c
         lr_s = np.log(np.where(ok_s, r_s, 1.0))
         lr_c = np.log(np.where(ok_c, r_c, 1.0))
-        var_k = u_s / n_s + u_c / n_c
+    h = np.where(ok_s & ok_c, cmh_weights(n_c, n_s), 0.0)
     est = combine_windows(h, lr_s, lr_c, var_k, n_s, n_c)
     return Estimate(stable=np.exp(est.stable), candidate=np.exp(est.candidate), effect=est.effect,
                     var=est.var, n_stable=est.n_stable, n_candidate=est.n_candidate)

@@ -1,7 +1,8 @@
 """The proxy service: wires config, bus, rollout book, providers and the HTTP routes.
 
-In-process shadow workers (memory mode) come in as a `ShadowRunner` from the composition root
-(`service.embedded`), so that this package never imports `collectors`."""
+Memory mode's shadow workers come in as a `ShadowRunner` from the composition root
+(`service.compose`: they run in a child process, `collectors.embedded`), so that this package never
+imports `collectors`."""
 
 from __future__ import annotations
 
@@ -21,16 +22,22 @@ from starlette.responses import JSONResponse, Response
 
 from service import metrics
 from service.admin.api import admin_router
+from service.admin.traffic import RecentTraffic
 from service.bus import EventBus, make_bus
 from service.config import Config, ConfigError, load_config
 from service.errors import openai_error
+from service.feedback import unmatched_route
 from service.proxy.chat import BadRequest, Proxy
+from service.proxy.endpoint import FormatEndpoint
+from service.proxy.fast_path import CHAT_PATH, ProxyApp
+from service.proxy.formats import MESSAGES, RESPONSES
+from service.proxy.owners import KAFKA_WAIT_S, ResponseOwners, follow_outcomes
 from service.proxy.recorder import Recorder
 from service.proxy.sampler import ShadowSampler
 from service.records import RolloutState
 from service.rollout.book import RolloutBook
 from service.rollout.controller import Controller
-from service.rollout.follower import follow_rollouts
+from service.rollout.follower import follow
 from service.tracing import Tracing
 from service.upstream import Provider, make_providers
 
@@ -57,44 +64,37 @@ CHAT_REQUEST_SCHEMA = {
         "max_tokens": {"type": "integer"},
     },
 }
+RESPONSES_REQUEST_SCHEMA = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {
+        "model": {"type": "string", "description": "a route name from the config (or a model key)"},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"type": "string"},
+        "previous_response_id": {"type": "string", "description": "goes to the model that stored that response"},
+        "stream": {"type": "boolean"},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "text": {"type": "object"},
+        "store": {"type": "boolean"},
+        "max_output_tokens": {"type": "integer"},
+    },
+}
+MESSAGES_REQUEST_SCHEMA = {
+    "type": "object",
+    "required": ["model", "messages", "max_tokens"],
+    "properties": {
+        "model": {"type": "string", "description": "a route name from the config (or a model key)"},
+        "messages": {"type": "array", "items": {"type": "object", "required": ["role"]}},
+        "system": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "stream": {"type": "boolean"},
+        "tools": {"type": "array", "items": {"type": "object"}},
+    },
+}
 ERROR_RESPONSE = {"description": "OpenAI-shaped error", "content": {"application/json": {"schema": {
     "type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["message", "type"]}}}}}}
 
-
-CHAT_PATH = "/v1/chat/completions"
-
-
-class ProxyApp(FastAPI):
-    """FastAPI with one shortcut: `POST /v1/chat/completions` goes straight to the proxy's handler.
-
-    The route is still declared (for the OpenAPI schema, and for every other method), but the hot
-    path skips the generic middleware stack and FastAPI's per-request dependency solving, ~8% of a
-    busy proxy's CPU. The handler answers its own errors in OpenAI's shape; anything unexpected gets
-    the catch-all handler's 500. The shortcut steps aside whenever it would change behaviour: when
-    user middleware is added or FastAPI's own OpenTelemetry instrumentation is active.
-    """
-
-    fast_chat = None  # async (Request) -> Response, set by create_app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] == "http" and scope["path"] == CHAT_PATH and scope["method"] == "POST"
-                and self.fast_chat is not None and not self.user_middleware and not self.root_path
-                and not _native_telemetry_on(self)):
-            scope["app"] = self
-            request = Request(scope, receive, send)
-            try:
-                response = await self.fast_chat(request)
-            except Exception as exc:
-                log.error("unhandled error on POST %s: %s", CHAT_PATH, type(exc).__name__, exc_info=exc)
-                response = openai_error(500, "internal proxy error", code="proxy_error")
-            await response(scope, receive, send)
-            return
-        await super().__call__(scope, receive, send)
-
-
-def _native_telemetry_on(app: FastAPI) -> bool:
-    native = getattr(app, "_native_telemetry", None)
-    return native is not None and native.enabled()
+MAX_FEEDBACK_ID = 256  # characters of a feedback's request_id or session_id
 
 
 class Runtime:
@@ -113,6 +113,12 @@ class Runtime:
         self.sampler = ShadowSampler(config)
         self.recorder = Recorder(config, self.bus, self.sampler)
         self.proxy = Proxy(config, self.book, self.providers, self.recorder, self.tracing)
+        self.owners = ResponseOwners()
+        # memory mode: the recent sampled traffic, for `modelcanary capture` (GET /admin/traffic)
+        self.recent_traffic = RecentTraffic() if not kafka else None
+        wait_s = KAFKA_WAIT_S if config.events.backend == "kafka" else 0.0  # another replica may have served it
+        self.responses = FormatEndpoint(self.proxy, RESPONSES, self.owners, wait_s)
+        self.messages = FormatEndpoint(self.proxy, MESSAGES, self.owners)
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
         self._shadow: asyncio.Task | None = None
@@ -124,10 +130,17 @@ class Runtime:
     async def start(self) -> None:
         await self.bus.start()
         if self.config.events.backend == "kafka":
-            follow = self.bus.subscribe(["rollouts"], group=None)
-            self.tasks.append(asyncio.create_task(follow_rollouts(follow, self.book, self.stop), name="rollouts"))
+            self.tasks.append(asyncio.create_task(follow(self.bus, self.book, self.stop), name="rollouts"))
+            if any(rc.candidate and self.config.providers[self.config.models[rc.stable].provider].api == "openai"
+                   for rc in self.config.routes.values()):  # Responses follow-ups may reach any replica
+                outcomes = self.bus.subscribe(["outcomes"], group=None)
+                self.tasks.append(asyncio.create_task(follow_outcomes(outcomes, self.owners, self.stop),
+                                                      name="response-owners"))
         else:
             controller = Controller(self.config, self.bus, self.book, self.config.notify.webhook_url)
+            if self.recent_traffic is not None:
+                self.tasks.append(asyncio.create_task(self.recent_traffic.run(self.bus, self.stop),
+                                                      name="recent-traffic"))
             self.tasks.append(asyncio.create_task(controller.run(self.stop), name="controller"))
             if self.shadow_workers is not None:
                 self._start_shadow_workers()
@@ -193,7 +206,7 @@ class Runtime:
         return restarted
 
 
-def create_app(config: Config, config_path: str | None = None,
+def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - counts its nested route handlers together; each is a few lines
                shadow_workers: ShadowRunner | None = None) -> FastAPI:
     runtime = Runtime(config, config_path, shadow_workers)
 
@@ -223,9 +236,28 @@ def create_app(config: Config, config_path: str | None = None,
             allowed = proxy.allowed_names(request.headers)
         except BadRequest as e:
             return e.response()
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "modelcanary"}
-                for name in runtime.config.routes if allowed is None or "*" in allowed or name in allowed]
+        names = [name for name in runtime.config.routes if allowed is None or "*" in allowed or name in allowed]
+        if "anthropic-version" in request.headers:  # an Anthropic client: its list shape
+            data = [{"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+                    for name in names]
+            return JSONResponse({"data": data, "has_more": False, "first_id": names[0] if names else None,
+                                 "last_id": names[-1] if names else None})
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "modelcanary"} for name in names]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/responses", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": RESPONSES_REQUEST_SCHEMA}}}},
+        responses={200: {"description": "a response (JSON, or SSE when stream=true)"}, 400: ERROR_RESPONSE,
+                   404: ERROR_RESPONSE, 409: ERROR_RESPONSE, 413: ERROR_RESPONSE, 502: ERROR_RESPONSE})
+    async def responses(request: Request) -> Response:
+        return await runtime.responses(request)
+
+    @app.post("/v1/messages", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": MESSAGES_REQUEST_SCHEMA}}}},
+        responses={200: {"description": "an Anthropic message (JSON, or SSE when stream=true)"},
+                   400: ERROR_RESPONSE, 404: ERROR_RESPONSE, 413: ERROR_RESPONSE, 502: ERROR_RESPONSE})
+    async def messages(request: Request) -> Response:
+        return await runtime.messages(request)
 
     @app.post("/v1/feedback", openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"type": "object", "required": ["success"], "properties": {
@@ -274,7 +306,10 @@ def create_app(config: Config, config_path: str | None = None,
     return app
 
 
-async def _feedback(runtime: Runtime, request: Request) -> Response:
+async def _feedback(runtime: Runtime, request: Request) -> Response:  # noqa: C901 - validates each field in turn, one clear error each
+    """Memory mode: resolved here, 404 for an id this process has not served. Kafka mode: any replica
+    accepts it (202) and publishes it; the one that served the request resolves it at once, else the
+    controller resolves it against the request's outcome (and applies the client key's routes)."""
     from service.proxy.chat import BadRequest, _bearer
 
     keys = runtime.proxy.client_keys
@@ -293,21 +328,34 @@ async def _feedback(runtime: Runtime, request: Request) -> Response:
         if not isinstance(request_id, str) and not isinstance(session_id, str):
             raise BadRequest(400, "give 'request_id' (the x-request-id response header) or 'session_id' as a string",
                              param="request_id")
+        request_id = request_id if isinstance(request_id, str) else None
+        session_id = session_id if isinstance(session_id, str) else None
+        for field, value in (("request_id", request_id), ("session_id", session_id)):
+            if value is not None and not 0 < len(value) <= MAX_FEEDBACK_ID:
+                raise BadRequest(400, f"field {field!r} must be 1 to {MAX_FEEDBACK_ID} characters", param=field)
         reason = body.get("reason")
         if reason is not None and not isinstance(reason, str):
             raise BadRequest(400, "field 'reason' must be a string", param="reason")
-        found = runtime.recorder.served(request_id if isinstance(request_id, str) else None,
-                                        session_id if isinstance(session_id, str) else None)
-        if found is None:
+        reason = (reason or "")[:500] or None
+        match = {"request_id": request_id} if request_id is not None else {"session_id": session_id}
+        found = runtime.recorder.served(request_id, session_id)
+        kafka = runtime.config.events.backend == "kafka"
+        if found is None and not kafka:
+            metrics.feedback_unmatched_total.labels(unmatched_route(allowed)).inc()
             raise BadRequest(404, "no recent request with that request_id or session_id on this proxy",
                              param="request_id", code="request_not_found")
-        if allowed is not None and "*" not in allowed and found[1].route not in allowed:
+        if found is not None and allowed is not None and "*" not in allowed and found[1].route not in allowed:
             raise BadRequest(403, "this client key may not give feedback on that request", code="model_not_allowed")
     except BadRequest as e:
         return e.response()
+    if found is None:
+        routes = None if allowed is None or "*" in allowed else sorted(allowed)
+        runtime.recorder.unresolved_feedback(request_id, None if request_id else session_id, success, reason, routes)
+        return JSONResponse({"accepted": True, "match": match}, status_code=202)
     key, served = found
-    runtime.recorder.feedback(key, served, success, (reason or "")[:500] or None)
-    return JSONResponse({"status": "recorded", "route": served.route, "role": served.role}, status_code=202)
+    runtime.recorder.feedback(key, served, success, reason)
+    return JSONResponse({"accepted": True, "match": match, "status": "recorded", "route": served.route,
+                         "role": served.role}, status_code=202)
 
 
 def _version() -> str:

@@ -7,31 +7,31 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
+from functools import partial
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from service import metrics
 from service.config import Checks, Config
-from service.errors import error_body, is_openai_error, openai_error
+from service.errors import openai_error
 from service.proxy.outcome import COMPLETED, Verdict, classify_chat, classify_other, failed
 from service.proxy.recorder import Call, Recorder
 from service.proxy.retries import RetryDetector
 from service.proxy.routing import pick
 from service.proxy.segments import classify_segment
 from service.proxy.sse import reassemble
-from service.proxy.streaming import EventStreamResponse
+from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.rollout.book import RolloutBook
-from service.upstream.base import Provider, TransportFailure
-from service.upstream.errors import error_cause
+from service.upstream.base import Provider, UpstreamReply
+from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields
+from service.upstream.model_settings import model_body
 from service.upstream.retry import RetryBudget, send_with_retries
 
 log = logging.getLogger("modelcanary.proxy")
 
-STREAM_CAPTURE_LIMIT = 8 * 1024 * 1024
 DRAIN_LIMIT = 64 * 1024 * 1024
-PARTIAL_EVENT_LIMIT = 1024 * 1024  # an unfinished SSE event longer than this is forwarded as it comes
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 class BadRequest(Exception):
@@ -129,7 +129,7 @@ class Proxy:
         return headers.get("authorization") if self.client_keys is None else None
 
     # ---- chat completions ------------------------------------------------------------------
-    async def chat(self, request: Request) -> Response:
+    async def chat(self, request: Request) -> Response:  # noqa: C901 - the hot path stays one function (no call per step per request)
         started = time.perf_counter()
         request_id = os.urandom(12).hex()
         if self.draining:
@@ -151,8 +151,8 @@ class Proxy:
         session_key = headers.get("x-session-id") or (body.get("user") if isinstance(body.get("user"), str) else None)
         if route is not None:
             rc = self.config.routes[route]
-            model_key, role = pick(route, self.book.routing[route], session_key)
             segment = classify_segment(body, headers.get("x-task-type"), rc.task_types)
+            model_key, role = pick(route, self.book.routing[route], session_key, segment)
         else:
             route, model_key, role = name, name, "stable"
             segment = classify_segment(body)
@@ -164,8 +164,8 @@ class Proxy:
                                                   f"{headers.get('authorization', '')}|{session_key or ''}", raw)
         model = self.config.models[model_key]
         provider = self.providers[model.provider]
-        body["model"] = model.name
-        out = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        asked = model_body(body, model)
+        out = json.dumps(asked, separators=(",", ":"), ensure_ascii=False).encode()
         up_headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"}
         auth = provider.auth_header(self._client_auth(headers))
         if auth:
@@ -176,40 +176,61 @@ class Proxy:
             up_headers.update(call.span.upstream_headers())  # type: ignore[union-attr]
         elif call.traceparent:
             up_headers["traceparent"] = call.traceparent
-        body["model"] = name
+        judge = partial(classify_chat, asked, checks=self._checks(call))
 
+        self._start(call)
+        sent = await self.forward(call, provider, "/chat/completions", out, up_headers,
+                                  deadline_s=self.config.providers[model.provider].timeout_s)
+        if isinstance(sent, Response):
+            return sent
+        if call.stream and sent.status == 200:
+            return StreamRelay(call, sent, partial(self._classify_stream, call, judge), self._done).response(
+                self._headers(call) | SSE_HEADERS)
+        return self.respond(request, call, self._plain(call, sent, judge))
+
+    # ---- pieces every proxied endpoint shares ------------------------------------------------
+    def _start(self, call: Call) -> None:
+        """The call is in flight from here; `_done` ends it, exactly once."""
         self.in_flight += 1
-        self._in_flight_gauge(route).inc()
+        self._in_flight_gauge(call.route).inc()
+
+    async def forward(self, call: Call, provider: Provider, path: str, data: bytes, headers: dict[str, str],
+                      method: str = "POST", deadline_s: float | None = None) -> UpstreamReply | Response:
+        """Send a started call upstream with the retry rules. Returns the upstream's reply, or the error
+        response to send (the call's end is then arranged)."""
         try:
             attempt = await send_with_retries(
-                provider, "/chat/completions", out, up_headers, call.stream, self.budgets[route],
-                on_retry=lambda cause, t0, t1: self._on_retry(call, cause, t0, t1),
-                deadline_s=self.config.providers[model.provider].timeout_s,
-            )
+                provider, path, data, headers, call.stream, self.budgets[call.route], method=method,
+                on_retry=lambda cause, t0, t1: self._on_retry(call, cause, t0, t1), deadline_s=deadline_s)
         except asyncio.CancelledError:
             call.verdict = failed("client_cancelled")
             self._done(call)
             raise
         except Exception:
-            log.exception("proxy error on request %s", request_id)
+            log.exception("proxy error on request %s", call.request_id)
             call.verdict = failed("proxy_error")
+            call.status = 500
             self._done(call)
             return openai_error(500, "internal proxy error", code="proxy_error", headers=self._headers(call))
         call.upstream_retries = attempt.retries
         if attempt.failure is not None:
             call.verdict = failed(attempt.failure.cause, attempt.failure.detail)
-            status = 504 if attempt.failure.cause == "timeout" else 502
-            call.status = status
-            return self._respond(call, openai_error(status, f"upstream {attempt.failure.detail}",
-                                                    code=attempt.failure.cause, headers=self._headers(call)))
-        reply = attempt.reply
-        assert reply is not None
-        call.status = reply.status
-        if call.stream and reply.status == 200:
-            return EventStreamResponse(self._relay(call, reply), headers=self._headers(call) | SSE_HEADERS)
-        return self._respond(call, self._plain(call, reply))
+            call.status = 504 if attempt.failure.cause == "timeout" else 502
+            return self._after_send(call, openai_error(call.status, f"upstream {attempt.failure.detail}",
+                                                       code=attempt.failure.cause, headers=self._headers(call)))
+        assert attempt.reply is not None
+        call.status = attempt.reply.status
+        return attempt.reply
 
-    def _plain(self, call: Call, reply) -> Response:
+    def respond(self, request: Request, call: Call, response: Response) -> Response:
+        """A whole (not streamed) answer for a call whose verdict is set: a client that already hung up
+        never receives it, so its call is `client_cancelled` whatever the upstream answered."""
+        if client_gone(request.receive):
+            call.verdict = failed("client_cancelled")
+            call.status = 499  # nginx's "client closed request": no status reached the client
+        return self._after_send(call, response)
+
+    def _plain(self, call: Call, reply: UpstreamReply, judge: Callable[[dict], Verdict]) -> Response:
         headers = self._headers(call)
         for k in ("retry-after",):
             if k in reply.headers:
@@ -224,7 +245,7 @@ class Proxy:
                 call.status = 502
                 return openai_error(502, "upstream returned a malformed response", code="bad_response", headers=headers)
             call.response = data
-            call.verdict = classify_chat(call.request or {}, data, self._checks(call))
+            call.verdict = judge(data)
             if call.verdict.cause == "bad_response":
                 call.status = 502
                 return openai_error(502, f"upstream response is not a chat completion: {call.verdict.detail}",
@@ -232,60 +253,30 @@ class Proxy:
             call.finish_reasons = [c.get("finish_reason") for c in data.get("choices", ()) if isinstance(c, dict)
                                    and c.get("finish_reason")]
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
+        return self._upstream_error(call, reply, headers)
+
+    def _upstream_error(self, call: Call, reply: UpstreamReply, headers: dict[str, str]) -> Response:
+        """The upstream's error with its status and cause: its JSON body as it came, any other body in an
+        OpenAI-shaped error's message. A client's mistake that the upstream answered as its own failure
+        (a 5xx) goes back as the 400 it is, so that clients do not retry it."""
         parsed = _json_or_none(reply.body)
         call.verdict = failed(error_cause(reply.status, parsed))
-        if parsed is not None and is_openai_error(reply.body):
-            return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
-        return openai_error(reply.status, f"upstream answered HTTP {reply.status}", code=call.verdict.cause,
-                            headers=headers)
+        if reply.status >= 500 and call.verdict.cause in CLIENT_CAUSES:
+            call.status = 400
+            message = error_fields(parsed)[1].split("\n\n", 1)[0]
+            return openai_error(400, f"upstream rejected the request: {message}", code=call.verdict.cause,
+                                headers=headers)
+        if parsed is not None:  # the upstream's own JSON error, whatever its shape
+            return Response(reply.body, status_code=reply.status, headers=headers, media_type="application/json")
+        text = reply.body[:500].decode("utf-8", "replace").strip()  # an HTML page, plain text: kept in the message
+        return openai_error(reply.status, f"upstream answered HTTP {reply.status}" + (f": {text}" if text else ""),
+                            code=call.verdict.cause, headers=headers)
 
-    async def _relay(self, call: Call, reply):
-        """Forward SSE chunks as they arrive; classify the reassembled answer once the stream ends."""
-        captured: list[bytes] = []
-        size = 0
-        first = True
-        partial = b""  # the start of an SSE event not yet complete: forwarded once it is
-        try:
-            async for chunk in reply.chunks():
-                if first:
-                    call.ttft_s = time.perf_counter() - call.started
-                    first = False
-                if size < STREAM_CAPTURE_LIMIT:
-                    captured.append(chunk)
-                    size += len(chunk)
-                if partial:
-                    chunk, partial = partial + chunk, b""
-                if not chunk.endswith(b"\n\n"):
-                    cut = _events_end(chunk)
-                    if len(chunk) - cut <= PARTIAL_EVENT_LIMIT:
-                        chunk, partial = chunk[:cut], chunk[cut:]
-                if chunk:
-                    yield chunk
-            if partial:
-                yield partial  # the upstream ended without a final blank line
-            call.verdict = self._classify_stream(call, b"".join(captured), size >= STREAM_CAPTURE_LIMIT)
-            if call.verdict.cause == "bad_response":  # e.g. it ended before [DONE]: say so, never end silently
-                yield b"data: " + error_body(502, f"upstream stream is malformed: {call.verdict.detail}",
-                                             "bad_response") + b"\n\n"
-        except TransportFailure as e:
-            # a cut-off event is never forwarded: the client sees whole events, then this error event
-            call.verdict = failed(e.cause, e.detail)
-            yield b"data: " + error_body(502, f"upstream stream failed: {e.detail}", e.cause) + b"\n\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            call.verdict = failed("client_cancelled")
-            raise
-        except Exception:
-            log.exception("proxy error while streaming request %s", call.request_id)
-            call.verdict = failed("proxy_error")
-            yield b"data: " + error_body(500, "internal proxy error", "proxy_error") + b"\n\n"
-        finally:
-            reply.release()
-            if call.verdict is None:
-                call.verdict = self._classify_stream(call, b"".join(captured), size >= STREAM_CAPTURE_LIMIT)
-            self._done(call)
-
-    def _classify_stream(self, call: Call, raw: bytes, clipped: bool) -> Verdict:
-        if call.request is None:  # a passed-through endpoint: judged by transport and status only
+    def _classify_stream(self, call: Call, judge: Callable[[dict], Verdict] | None, raw: bytes,
+                         clipped: bool) -> Verdict:
+        """The verdict on a captured stream; `judge` classifies the reassembled answer (None: a
+        passed-through endpoint, judged by transport and status only)."""
+        if judge is None:
             return COMPLETED
         response, saw_done, problem = reassemble(raw)
         if problem is not None or response is None:
@@ -295,9 +286,9 @@ class Proxy:
         call.finish_reasons = [finish] if finish else []
         if clipped:
             return COMPLETED
-        if not saw_done and finish is None:
-            return failed("bad_response", "stream ended without a finish_reason or [DONE]")
-        return classify_chat(call.request or {}, response, self._checks(call))
+        if finish is None:  # e.g. a server that cut the answer short, with or without [DONE]
+            return failed("bad_response", "stream ended without a finish_reason")
+        return judge(response)
 
     def _checks(self, call: Call):
         rc = self.config.routes.get(call.route)
@@ -313,7 +304,7 @@ class Proxy:
         return {"x-request-id": call.request_id, "x-modelcanary-route": call.route,
                 "x-modelcanary-model": call.model_key, "x-modelcanary-role": call.role}
 
-    def _respond(self, call: Call, response: Response) -> Response:
+    def _after_send(self, call: Call, response: Response) -> Response:
         # Starlette awaits `background()` once the response is sent; a tiny awaitable callable is
         # cheaper than a BackgroundTask (which inspects its function on every request).
         response.background = _AfterSend(self._done, call)  # type: ignore[assignment]
@@ -362,28 +353,18 @@ class Proxy:
         if auth:
             up_headers["Authorization"] = auth
         call = Call(request_id=request_id, route=route or key, model_key=model_key, role="stable", segment="other",
-                    started=started, request=None)
-        self.in_flight += 1
-        self._in_flight_gauge(call.route).inc()
+                    started=started, request=None, stream=body is not None and body.get("stream") is True)
         qs = ("?" + request.url.query) if request.url.query else ""
-        stream = body is not None and body.get("stream") is True
-        attempt = await send_with_retries(provider, "/" + path + qs, raw, up_headers, stream,
-                                          self.budgets[call.route], method=request.method,
-                                          on_retry=lambda cause, t0, t1: self._on_retry(call, cause, t0, t1))
-        call.upstream_retries = attempt.retries
-        if attempt.failure is not None:
-            call.verdict = failed(attempt.failure.cause, attempt.failure.detail)
-            status = 504 if attempt.failure.cause == "timeout" else 502
-            return self._respond(call, openai_error(status, f"upstream {attempt.failure.detail}",
-                                                    code=attempt.failure.cause, headers=self._headers(call)))
-        reply = attempt.reply
-        call.status = reply.status
-        if stream and reply.status == 200:
-            return EventStreamResponse(self._relay(call, reply), headers=self._headers(call) | SSE_HEADERS,
-                                       media_type=reply.headers.get("content-type", "text/event-stream"))
-        call.verdict = classify_other(reply.status)
-        return self._respond(call, Response(reply.body, status_code=reply.status, headers=self._headers(call),
-                                            media_type=reply.headers.get("content-type", "application/json")))
+        self._start(call)
+        sent = await self.forward(call, provider, "/" + path + qs, raw, up_headers, method=request.method)
+        if isinstance(sent, Response):
+            return sent
+        if call.stream and sent.status == 200:
+            return StreamRelay(call, sent, partial(self._classify_stream, call, None), self._done).response(
+                self._headers(call) | SSE_HEADERS, media_type=sent.headers.get("content-type", "text/event-stream"))
+        call.verdict = classify_other(sent.status)
+        return self.respond(request, call, Response(sent.body, status_code=sent.status, headers=self._headers(call),
+                                                    media_type=sent.headers.get("content-type", "application/json")))
 
 
 _DEFAULT_CHECKS = Checks()
@@ -400,12 +381,6 @@ class _AfterSend:
 
     async def __call__(self) -> None:
         self.done(self.call)
-
-
-def _events_end(data: bytes) -> int:
-    """Offset just past the last complete SSE event in `data` (0 when there is none)."""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def _header_map(scope) -> dict[str, str]:

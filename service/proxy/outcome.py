@@ -8,6 +8,7 @@ from service.config import Checks
 from service.proxy.segments import wants_json
 from service.proxy.verifiers import check_json, check_tool_calls, requested_schema
 from service.upstream.errors import error_cause
+from service.upstream.model_settings import requested_cap
 
 CAUSE_BLAME: dict[str, str] = {
     "timeout": "provider",
@@ -19,6 +20,7 @@ CAUSE_BLAME: dict[str, str] = {
     "auth_error": "client",
     "bad_request": "client",
     "context_length_exceeded": "client",
+    "max_tokens": "client",  # the answer reached the request's own cap (DESIGN §12)
     "content_filtered": "model",
     "refusal": "model",
     "truncated": "model",
@@ -43,14 +45,18 @@ class Verdict:
 
 
 COMPLETED = Verdict("completed")
+# The answer reached the request's own length cap: whole as asked, so completed; the cause lets the
+# judge compare how often each arm runs into the cap (`max_tokens_rate`), outside every failure rate.
+MAX_TOKENS = Verdict("completed", "max_tokens", "client")
 
 
 def failed(cause: str, detail: str | None = None) -> Verdict:
     return Verdict("failed", cause, CAUSE_BLAME[cause], detail)
 
 
-def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:
-    """Verdict on a successful (2xx) chat completion body, streamed answers reassembled first."""
+def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:  # noqa: C901 - the outcome rules in their order of precedence (DESIGN §6)
+    """Verdict on a successful (2xx) chat completion body, streamed answers reassembled first.
+    `request` is what the model was asked (a model's `params` included)."""
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return failed("bad_response", "no choices in the answer")
@@ -66,7 +72,8 @@ def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:
     if message.get("refusal"):
         return failed("refusal", str(message["refusal"])[:200])
     if finish == "length":
-        return failed("truncated")
+        cap = requested_cap(request)
+        return MAX_TOKENS if cap is not None and _reached(response, cap) else failed("truncated")
     if tool_calls:
         if not isinstance(tool_calls, list):
             return failed("bad_response", "tool_calls is not a list")
@@ -81,6 +88,14 @@ def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:
         if cause:
             return failed(cause, detail)
     return COMPLETED
+
+
+def _reached(response: dict, cap: int) -> bool:
+    """Whether the answer used its whole cap; without usage, a `length` stop under a cap is taken as
+    the cap's doing."""
+    usage = response.get("usage")
+    used = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return not isinstance(used, int) or used >= cap
 
 
 def classify_other(status: int) -> Verdict:

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from service import metrics
 from service.bus.base import EventBus
 from service.config import Config, redaction_patterns
+from service.feedback import SESSION, Served, ServedMemory
+from service.proxy.formats.base import Usage
 from service.proxy.outcome import Verdict
 from service.proxy.routing import session_hash
 from service.proxy.sampler import ShadowSampler
 from service.proxy.segments import estimate_tokens, message_chars
-from service.recent import Recent
 from service.records import OutcomeEvent, PrimaryResult, TrafficEvent
 
 FEEDBACK_MEMORY = 100_000
@@ -44,15 +45,9 @@ class Call:
     response: dict | None = None
     span: object | None = None
     finish_reasons: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True, frozen=True)
-class Served:
-    route: str
-    model: str
-    role: str
-    segment: str
-    session_id_hash: str | None
+    usage: Usage | None = None          # set by formats that read it themselves (Responses, Messages)
+    stateful: bool = False              # depends on state the upstream keeps: never shadowed
+    response_id: str | None = None      # the upstream's id for a stored answer (Responses API)
 
 
 def usage_tokens(call: Call) -> tuple[int, int]:
@@ -78,10 +73,7 @@ class Recorder:
         self.bus = bus
         self.sampler = sampler
         self.config_version = config.version()
-        # request id, and ("session", hash), -> (index in _labels, has a session hash, session hash - 2**63)
-        self._served = Recent(FEEDBACK_MEMORY, width=3)
-        self._labels: list[tuple[str, str, str, str]] = []  # (route, model, role, segment): few
-        self._label_index: dict[tuple[str, str, str, str], int] = {}
+        self._served = ServedMemory(FEEDBACK_MEMORY)
         self._redact = self._compile_redactions(config)
         # labelled children looked up once per label set (`labels()` takes a lock and builds tuples)
         self._requests = metrics.LabelCache(metrics.requests_total)
@@ -97,11 +89,16 @@ class Recorder:
         self.config_version = config.version()
         self._redact = self._compile_redactions(config)
 
-    def finish(self, call: Call) -> None:
+    def finish(self, call: Call) -> None:  # noqa: C901 - once per request on the hot path: one function, no extra calls
         verdict = call.verdict
         assert verdict is not None
         route, model, role = call.route, call.model_key, call.role
-        input_tokens, output_tokens = usage_tokens(call)
+        usage = call.usage
+        if usage is None:
+            input_tokens, output_tokens = usage_tokens(call)
+            fresh_input = input_tokens
+        else:  # prompt-cache tokens are input too (priced as input), counted under their own type
+            input_tokens, output_tokens, fresh_input = usage.total_input, usage.output, usage.input
         model_cfg = self.config.models.get(model)
         cost = model_cfg.price.cost(input_tokens, output_tokens) if model_cfg else 0.0
 
@@ -113,10 +110,14 @@ class Recorder:
             self._ttft.get(route, model, role).observe(call.ttft_s)
         if call.client_retry:
             self._client_retries.get(route, model, role).inc()
-        if input_tokens:
-            self._tokens.get(route, model, role, "input").inc(input_tokens)
+        if fresh_input:
+            self._tokens.get(route, model, role, "input").inc(fresh_input)
         if output_tokens:
             self._tokens.get(route, model, role, "output").inc(output_tokens)
+        if usage is not None and usage.cache_read:
+            self._tokens.get(route, model, role, "cache_read").inc(usage.cache_read)
+        if usage is not None and usage.cache_write:
+            self._tokens.get(route, model, role, "cache_write").inc(usage.cache_write)
         if cost:
             self._cost.get(route, model, role).inc(cost)
 
@@ -126,9 +127,10 @@ class Recorder:
             segment=call.segment, session_id_hash=sid, outcome=verdict.outcome, cause=verdict.cause,
             blame=verdict.blame, latency_s=call.latency_s, ttft_s=call.ttft_s, input_tokens=input_tokens,
             output_tokens=output_tokens, cost_usd=cost, client_retry=call.client_retry,
-            upstream_retries=call.upstream_retries, kind="request", success=None, reason=None,
+            upstream_retries=call.upstream_retries, status=call.status or None, kind="request", success=None,
+            reason=None, response_id=call.response_id,
         ))
-        self._remember(call.request_id, (route, model, role, call.segment), sid)
+        self._served.remember(call.request_id, (route, model, role, call.segment), sid)
         if call.span is not None:
             call.span.finish(response_model=(call.response or {}).get("model"), input_tokens=input_tokens,  # type: ignore[attr-defined]
                              output_tokens=output_tokens, finish_reasons=call.finish_reasons,
@@ -136,8 +138,9 @@ class Recorder:
                              completion=(call.response or {}).get("choices"))
         if (role == "stable" and verdict.ok and not call.no_shadow and call.request is not None
                 and route in self.config.routes and self.sampler.wanted(route, call.request_id)):
-            est = self.sampler.estimated_cost(route, input_tokens, output_tokens)
-            if self.sampler.admit(route, est):
+            if call.stateful:  # the candidate can't see the upstream state it refers to
+                metrics.shadow_dropped_total.labels(route, "stateful").inc()
+            elif self.sampler.admit(route):
                 self.bus.publish("traffic", self._traffic(call, input_tokens, output_tokens))
 
     def _traffic(self, call: Call, input_tokens: int, output_tokens: int) -> TrafficEvent:
@@ -157,60 +160,56 @@ class Recorder:
         )
 
     # ---- feedback --------------------------------------------------------------------------
-    def _remember(self, request_id: str, labels: tuple[str, str, str, str], sid: str | None) -> None:
-        index = self._label_index.get(labels)
-        if index is None:
-            index = self._label_index[labels] = len(self._labels)
-            self._labels.append(labels)
-        if sid:
-            signed = int(sid, 16) - 2**63
-            self._served.put(request_id, index, 1, signed)
-            self._served.put(("session", sid), index, 1, signed)
-        else:
-            self._served.put(request_id, index, 0, 0)
-
     def served(self, request_id: str | None, session_id: str | None) -> tuple[str, Served] | None:
-        if request_id and (found := self._served.get(request_id)) is not None:
-            return request_id, self._served_as(found)
-        sid = session_hash(session_id)
-        if sid and (found := self._served.get(("session", sid))) is not None:
-            return "session:" + sid, self._served_as(found)
-        return None
-
-    def _served_as(self, found: tuple[int, ...]) -> Served:
-        index, has_sid, signed = found
-        return Served(*self._labels[index], format(signed + 2**63, "016x") if has_sid else None)
+        """A request this proxy served recently, by request id, else the session's latest."""
+        return self._served.served(request_id, session_hash(session_id))
 
     def feedback(self, key: str, served: Served, success: bool, reason: str | None) -> None:
+        """Feedback on a request this proxy served: published resolved."""
         metrics.feedback_total.labels(served.route, served.model, served.role, "success" if success else "failure").inc()
         self.bus.publish("outcomes", OutcomeEvent.model_construct(
-            request_id=key.removeprefix("session:"), ts=time.time(), route=served.route, model=served.model,
+            request_id=key.removeprefix(SESSION), ts=time.time(), route=served.route, model=served.model,
             role=served.role, segment=served.segment, session_id_hash=served.session_id_hash, outcome=None,
             cause=None, blame=None, latency_s=None, ttft_s=None, input_tokens=0, output_tokens=0, cost_usd=0.0,
             client_retry=False, upstream_retries=0, kind="feedback", success=success, reason=reason,
+        ))
+
+    def unresolved_feedback(self, request_id: str | None, session_id: str | None, success: bool,
+                            reason: str | None, allowed_routes: list[str] | None) -> None:
+        """Feedback on a request this proxy did not serve (Kafka mode): published with the id it is to
+        be matched on, keyed by it, for the controller to resolve (and to check `allowed_routes`)."""
+        sid = session_hash(session_id) if request_id is None else None
+        self.bus.publish("outcomes", OutcomeEvent(
+            request_id=request_id if request_id is not None else SESSION + (sid or ""), ts=time.time(),
+            session_id_hash=sid, kind="feedback", success=success, reason=reason, allowed_routes=allowed_routes,
         ))
 
     # ---- redaction -------------------------------------------------------------------------
     @staticmethod
     def _compile_redactions(config: Config) -> dict[str, list[re.Pattern]]:
         """`shadow.redact`: regexes, and `builtin:email` / `builtin:phone` for the built-in patterns."""
-        return {route: [re.compile(p) for p in redaction_patterns(rc.shadow.redact)]
-                for route, rc in config.routes.items()}
+        return {route: compiled_redactions(rc.shadow.redact) for route, rc in config.routes.items()}
 
     def _redacted(self, route: str, obj: dict) -> dict:
         patterns = self._redact.get(route)
         if not patterns:
             return obj
+        return scrub(obj, patterns)  # type: ignore[return-value]
 
-        def scrub(value: object) -> object:
-            if isinstance(value, str):
-                for p in patterns:
-                    value = p.sub("[REDACTED]", value)
-                return value
-            if isinstance(value, dict):
-                return {k: scrub(v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [scrub(v) for v in value]
-            return value
 
-        return scrub(obj)  # type: ignore[return-value]
+def compiled_redactions(entries: list[str]) -> list[re.Pattern]:
+    """A route's `shadow.redact` entries as compiled regexes."""
+    return [re.compile(p) for p in redaction_patterns(entries)]
+
+
+def scrub(value: object, patterns: list[re.Pattern]) -> object:
+    """`value` with every match of `patterns` in its strings (at any depth) replaced by [REDACTED]."""
+    if isinstance(value, str):
+        for p in patterns:
+            value = p.sub("[REDACTED]", value)
+        return value
+    if isinstance(value, dict):
+        return {k: scrub(v, patterns) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub(v, patterns) for v in value]
+    return value

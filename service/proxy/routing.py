@@ -16,8 +16,11 @@ def unit_hash(*parts: str) -> float:
     return int.from_bytes(digest, "big") / _SCALE
 
 
-def pick(route: str, split: Split, session_key: str | None) -> tuple[str, str]:
-    """(model key, role). A session never flips mid-way unless the weight changes."""
+def pick(route: str, split: Split, session_key: str | None, segment: str | None = None) -> tuple[str, str]:
+    """(model key, role). A session never flips mid-way unless the weight changes. With
+    rollout.scope segment the request's segment has its own split (none yet: the stable model)."""
+    if split.segments is not None:
+        split = split.segments.get(segment, split)
     if split.canary is None or split.weight <= 0.0:
         return split.stable, "stable"
     if split.weight >= 1.0:

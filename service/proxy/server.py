@@ -1,5 +1,14 @@
 """uvicorn server that drains on SIGTERM: /readyz turns 503 at once, new requests are refused,
-in-flight requests and streams finish (up to server.drain_seconds), then it exits."""
+in-flight requests and streams finish (up to server.drain_seconds), then it exits.
+
+Both classes lean on uvicorn internals, checked against uvicorn 0.54 (pinned `<0.55` in pyproject;
+tests/test_internals.py fails if they change shape): GuardedHttpToolsProtocol subclasses the private
+`uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`, overriding its parser callbacks and
+reading `loop`, `transport` and `cycle.response_complete`; DrainingServer overrides
+`Server.handle_exit` and `Server.on_tick` and sets `should_exit`, `force_exit` and
+`config.timeout_graceful_shutdown`. What they buy: the 431/408 limits uvicorn lacks, and a drain
+that the proxy decides (readiness first, then in-flight work, bounded by server.drain_seconds).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +17,15 @@ import logging
 import signal
 import time
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import error_body
+
+if TYPE_CHECKING:
+    from service.proxy.app import Runtime
 
 log = logging.getLogger("modelcanary.serve")
 
@@ -28,7 +41,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_bytes = 0
         self._refused = False
@@ -104,7 +117,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, runtime) -> None:
+    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
         super().__init__(config)
         self.runtime = runtime
         self._drain_started: float | None = None
@@ -128,6 +141,6 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif waited >= self.runtime.config.server.drain_seconds:
                 # the drain time is used up: cut what is left now, not after uvicorn's own graceful wait
-                self.config.timeout_graceful_shutdown = 0.1
+                self.config.timeout_graceful_shutdown = 0.1  # type: ignore[assignment]  # seconds; annotated int
                 self.should_exit = True
         return await super().on_tick(counter)

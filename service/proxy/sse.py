@@ -19,7 +19,7 @@ def _merge_tool_call(calls: dict[int, dict], delta: dict) -> None:
         call["function"]["arguments"] += fn["arguments"]
 
 
-def reassemble(raw: bytes) -> tuple[dict | None, bool, str | None]:
+def reassemble(raw: bytes) -> tuple[dict | None, bool, str | None]:  # noqa: C901 - one pass over the SSE events, a branch per field of a chunk
     """(response, saw_done, error). `response` is shaped like a non-streamed chat completion;
     `error` is an upstream error event's message, or a parse problem."""
     content: list[str] = []

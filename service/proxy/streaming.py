@@ -1,4 +1,5 @@
-"""The streamed response: SSE bytes sent as they come, the stream cancelled when the client leaves.
+"""Streamed answers: an upstream SSE stream relayed event by event (`StreamRelay`), and the response
+that sends it (`EventStreamResponse`), which always ends the call, however the stream stops.
 
 Starlette's StreamingResponse does the same through an anyio task group per response (on ASGI
 servers older than spec 2.4, which uvicorn's httptools server is); this sends from the request's
@@ -8,19 +9,156 @@ own task and watches for the disconnect with one plain asyncio task, which costs
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Mapping
+import logging
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service.errors import error_body
+from service.proxy.outcome import Verdict, failed
+from service.proxy.recorder import Call
+from service.upstream.base import TransportFailure, UpstreamReply
+
+log = logging.getLogger("modelcanary.proxy")
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+STREAM_CAPTURE_LIMIT = 8 * 1024 * 1024
+PARTIAL_EVENT_LIMIT = 1024 * 1024  # an unfinished SSE event longer than this is forwarded as it comes
+_DONE = re.compile(rb"^data: ?\[DONE\]\r?$", re.MULTILINE)
+
+
+def chat_stream_over(events: bytes) -> bool:
+    """Whether whole SSE events end a Chat Completions stream (`data: [DONE]`)."""
+    return b"[DONE]" in events and _DONE.search(events) is not None
+
+
+def events_end(data: bytes) -> int:
+    """Offset just past the last complete SSE event in `data` (0 when there is none)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def client_gone(receive: Receive) -> bool:
+    """Whether the client has hung up, known without waiting: an ASGI server answers `receive()` at
+    once with `http.disconnect` then. One step of the coroutine, dropped if it would wait (a few µs,
+    where Starlette's `is_disconnected` costs ~100 µs with its cancel scope)."""
+    step = receive()
+    if not hasattr(step, "send"):
+        return False
+    try:
+        step.send(None)
+    except StopIteration as done:
+        return isinstance(done.value, dict) and done.value.get("type") == "http.disconnect"
+    except Exception:  # a server that refuses to be asked: not known to be gone
+        return False
+    step.close()
+    return False
+
+
+def chat_error_event(status: int, message: str, code: str) -> bytes:
+    return b"data: " + error_body(status, message, code) + b"\n\n"
+
+
+class StreamRelay:
+    """One upstream SSE answer, forwarded to the client whole event by whole event.
+
+    The answer is over once its last event is forwarded (`is_over`, chat's `data: [DONE]`), or when
+    the upstream ends the body: never later, since servers may keep the connection open, send pings,
+    or hold it for the next call. `judge(raw, clipped)` gives the verdict on the captured stream;
+    `finish(call)` ends the call (metrics, outcome), exactly once, from `close`, which the response
+    runs whenever the stream stops, also when it never started.
+    """
+
+    def __init__(self, call: Call, reply: UpstreamReply, judge: Callable[[bytes, bool], Verdict],
+                 finish: Callable[[Call], None], is_over: Callable[[bytes], bool] = chat_stream_over,
+                 has_output: Callable[[bytes], bool] | None = None,
+                 error_event: Callable[[int, str, str], bytes] = chat_error_event):
+        """`has_output(events)`: whether events carry output, for time to first token (default: any
+        event does); `error_event(status, message, code)`: an error in the stream's own format."""
+        self.call = call
+        self.reply = reply
+        self._judge = judge
+        self._finish = finish
+        self._is_over = is_over
+        self._has_output = has_output
+        self._error_event = error_event
+        self._captured: list[bytes] = []
+        self._size = 0
+        self._over = False
+        self._closed = False
+
+    def response(self, headers: Mapping[str, str], media_type: str = "text/event-stream") -> EventStreamResponse:
+        return EventStreamResponse(self.events(), headers=headers, media_type=media_type, on_close=self.close)
+
+    async def events(self) -> AsyncGenerator[bytes, None]:  # noqa: C901 - the stream's lifecycle (forward, capture, end, fail) in one generator
+        call = self.call
+        partial = b""  # the start of an SSE event not yet complete: forwarded once it is
+        try:
+            async for chunk in self.reply.chunks():
+                if self._size < STREAM_CAPTURE_LIMIT:
+                    self._captured.append(chunk)
+                    self._size += len(chunk)
+                if partial:
+                    chunk, partial = partial + chunk, b""
+                if not chunk.endswith(b"\n\n"):
+                    cut = events_end(chunk)
+                    if len(chunk) - cut <= PARTIAL_EVENT_LIMIT:
+                        chunk, partial = chunk[:cut], chunk[cut:]
+                if chunk:
+                    if call.ttft_s is None and (self._has_output is None or self._has_output(chunk)):
+                        call.ttft_s = time.perf_counter() - call.started
+                    over = self._is_over(chunk)
+                    yield chunk
+                    if over:
+                        self._over = True
+                        break
+            if partial:
+                yield partial  # the upstream ended without a final blank line
+            call.verdict = self._judge(b"".join(self._captured), self._size >= STREAM_CAPTURE_LIMIT)
+            if call.verdict.cause == "bad_response":  # say so, never end silently (even after [DONE])
+                yield self._error_event(502, f"upstream stream is malformed: {call.verdict.detail}", "bad_response")
+        except TransportFailure as e:
+            # a cut-off event is never forwarded: the client sees whole events, then this error event
+            call.verdict = failed(e.cause, e.detail)
+            yield self._error_event(502, f"upstream stream failed: {e.detail}", e.cause)
+        except Exception:
+            log.exception("proxy error while streaming request %s", call.request_id)
+            call.verdict = failed("proxy_error")
+            yield self._error_event(500, "internal proxy error", "proxy_error")
+
+    async def close(self, client_left: bool) -> None:
+        """End the call once: the verdict the stream reached, else the client left (or the proxy
+        stopped the stream); then hand the upstream connection back, or close it mid-answer."""
+        if self._closed:
+            return
+        self._closed = True
+        call = self.call
+        if call.verdict is None:
+            call.verdict = failed("client_cancelled") if client_left else \
+                failed("proxy_error", "the stream was stopped before the answer ended")
+        if not self._over:
+            self.reply.release()
+        self._finish(call)
+        if self._over:
+            await self.reply.settle()
+
 
 class EventStreamResponse(Response):
-    def __init__(self, chunks: AsyncGenerator[bytes, None], status_code: int = 200,
-                 headers: Mapping[str, str] | None = None, media_type: str = "text/event-stream"):
+    """SSE bytes sent as they come; the stream is cancelled when the client leaves. `on_close(left)`
+    runs after the stream stopped, in every case: a generator that never started runs none of its
+    own code when closed, so the call's end cannot live in it."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], status_code: int = 200,
+                 headers: Mapping[str, str] | None = None, media_type: str = "text/event-stream",
+                 on_close: Callable[[bool], Awaitable[None]] | None = None):
         self.chunks = chunks
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
+        self.on_close = on_close
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -46,4 +184,10 @@ class EventStreamResponse(Response):
             sender.uncancel()  # type: ignore[union-attr]  # the client left: the stream ends here
         finally:
             watcher.cancel()
-            await self.chunks.aclose()  # runs the stream's own cleanup now, not when it is collected
+            try:
+                aclose = getattr(self.chunks, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # the stream's own cleanup now, not when it is collected
+            finally:
+                if self.on_close is not None:
+                    await self.on_close(left)

@@ -35,8 +35,9 @@ def requested_schema(request: dict, configured: dict | None) -> dict | None:
     fmt = request.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
-        if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
-            return spec["schema"]
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict):
+            return schema
     return configured
 
 
@@ -83,7 +84,7 @@ def check_tool_calls(tool_calls: list, request: dict, check_args: bool) -> str |
             args = json.loads(fn.get("arguments") or "{}")
         except ValueError:
             return f"arguments of {name!r} are not JSON"
-        schema = known.get(name)
+        schema = known.get(name) if isinstance(name, str) else None
         if schema is not None:
             ok, problem = fits_schema(args, schema)
             if not ok:

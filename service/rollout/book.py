@@ -7,40 +7,40 @@ Kafka mode, the rollouts topic (latest version wins).
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from service import metrics
 from service.config import Config, RouteConfig
-from service.records import LastDecision, RolloutState
+from service.judge.evidence import window_key
+from service.judge.segments import SegmentVerdict, candidates_of
+from service.records import LastDecision, RolloutState, SegmentState
+from service.rollout import segments
+from service.rollout.segments import TERMINAL, Action, TransitionError, UnknownSegment
+from service.rollout.state_file import StateFile
 
-log = logging.getLogger("modelcanary.rollout")
-
-Action = Literal["promote", "pause", "resume", "rollback"]
 ACTIONS: tuple[Action, ...] = ("promote", "pause", "resume", "rollback")
-TERMINAL = ("promoted", "rolled_back")
-
-
-class TransitionError(ValueError):
-    """An operator action that the current phase does not allow (HTTP 409)."""
+__all__ = ["ACTIONS", "TERMINAL", "Action", "RolloutBook", "Split", "TransitionError", "UnknownSegment"]
 
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """What the hot path needs to route one request."""
+    """What the hot path needs to route one request; with rollout.scope segment, each segment's own
+    (a segment not among them goes to the stable model)."""
 
     stable: str
     canary: str | None
     weight: float
+    segments: Mapping[str, Split] | None = None
 
 
 def split_of(state: RolloutState) -> Split:
+    if state.scope == "segment":
+        return Split(state.stable, None, 0.0, {name: _segment_split(state.stable, seg)
+                                               for name, seg in state.segments.items()})
     if state.candidate is None or state.phase == "rolled_back":
         return Split(state.stable, None, 0.0)
     if state.phase == "promoted":
@@ -48,12 +48,43 @@ def split_of(state: RolloutState) -> Split:
     return Split(state.stable, state.candidate, state.canary_weight)
 
 
-def fresh_state(route: str, rc: RouteConfig, version: int = 0) -> RolloutState:
+def _segment_split(stable: str, seg: SegmentState) -> Split:
+    if seg.candidate is None or seg.phase == "rolled_back":
+        return Split(stable, None, 0.0)
+    if seg.phase == "promoted":
+        return Split(seg.candidate, None, 0.0)
+    return Split(stable, seg.candidate, seg.canary_weight)
+
+
+def same_rollout(state: RolloutState, rc: RouteConfig) -> bool:
+    """The state is of the rollout the route's config describes (same models, same scope)."""
+    return (state.stable, state.candidate, candidates_of(state), state.scope) == \
+        (rc.stable, rc.candidate, rc.candidates, rc.rollout.scope)
+
+
+def fresh_state(route: str, rc: RouteConfig, version: int = 0, epoch: int = 0) -> RolloutState:
+    now = time.time()
     if rc.candidate is None:
         return RolloutState(route=route, stable=rc.stable, candidate=None, phase="promoted",
-                            canary_weight=0.0, step_index=-1, since=time.time(), version=version)
+                            canary_weight=0.0, step_index=-1, since=now, version=version, epoch=epoch,
+                            scope=rc.rollout.scope)
     return RolloutState(route=route, stable=rc.stable, candidate=rc.candidate, phase="shadow",
-                        canary_weight=0.0, step_index=-1, since=time.time(), version=version)
+                        canary_weight=0.0, step_index=-1, since=now, version=version, epoch=epoch,
+                        windows=[("shadow", -1, now)], scope=rc.rollout.scope, candidates=list(rc.candidates))
+
+
+MAX_WINDOWS = 64  # a rollout's windows kept on its state (steps, pauses, resumes): far more than happen
+
+
+def with_window(state: RolloutState) -> RolloutState:
+    """The state with its own window (phase, step, since) last in `windows`, as the evidence opens it."""
+    if state.candidate is None:
+        return state
+    last = state.windows[-1] if state.windows else None
+    if last is not None and (last[0], last[1], round(last[2], 6)) == window_key(state):
+        return state
+    windows = [*state.windows, (state.phase, state.step_index, state.since)][-MAX_WINDOWS:]
+    return state.model_copy(update={"windows": windows})
 
 
 class RolloutBook:
@@ -62,18 +93,22 @@ class RolloutBook:
     def __init__(self, config: Config, persist_path: Path | None = None,
                  publish: Callable[[RolloutState], None] | None = None):
         self._config = config
-        self._persist_path = persist_path
+        self._file = StateFile(persist_path) if persist_path is not None else None
         self._publish = publish
+        # the leadership epoch of the controller that owns this book, stamped on what it commits
+        # (Kafka mode); None elsewhere: a change keeps the epoch of the state it derives from
+        self.epoch: int | None = None
         self._listeners: list[Callable[[RolloutState, RolloutState | None], None]] = []
         self.states: dict[str, RolloutState] = {}
         self.routing: dict[str, Split] = {}
-        saved = self._load_saved()
+        saved = self._file.load() if self._file is not None else {}
         for route, rc in config.routes.items():
             prior = saved.get(route)
-            if prior is not None and prior.stable == rc.stable and prior.candidate == rc.candidate:
+            if prior is not None and same_rollout(prior, rc):
                 self._set(prior)
             else:
-                self._set(fresh_state(route, rc, version=(prior.version + 1) if prior else 0))
+                self._set(fresh_state(route, rc, version=(prior.version + 1) if prior else 0,
+                                      epoch=prior.epoch if prior else 0))
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -88,12 +123,60 @@ class RolloutBook:
         """listener(new_state, old_state) after every committed change."""
         self._listeners.append(listener)
 
+    def off_change(self, listener: Callable[[RolloutState, RolloutState | None], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the state file holds every committed change (writes happen off the caller's thread)."""
+        return self._file.flush(timeout_s) if self._file is not None else True
+
     # ---- changing ------------------------------------------------------------------------
-    def operate(self, route: str, action: Action, by: str = "operator", reason: str | None = None) -> RolloutState:
+    def operate(self, route: str, action: Action, by: str = "operator", reason: str | None = None,
+                segment: str | None = None) -> RolloutState:
+        """An operator's action on the route, or with rollout.scope segment on one segment (`segment`;
+        without it, on every segment the action applies to)."""
         state = self.states[route]
-        why = reason or f"{action} by {by}"
+        why = reason or f"{action} by {by}" + (f" in segment {segment}" if segment else "")
         decision = LastDecision(decision=_decision_of(action), reasons=[why], ts=time.time(), by=by)
+        if state.scope == "segment" and state.candidate is not None:
+            return self._commit(self._segment_action(state, action, decision, segment))
+        if segment is not None:
+            raise TransitionError(f"route {route!r} has rollout.scope: route; a segment can be named only "
+                                  "with rollout.scope: segment")
         return self._commit(self._transition(state, action, decision))
+
+    def decide_segments(self, route: str, verdicts: dict[str, SegmentVerdict]) -> RolloutState:
+        """Apply the judge's per-segment verdicts (rollout.scope segment) in one commit; a segment seen
+        for the first time joins. In advisory mode they are only recorded."""
+        state = self.states[route]
+        if state.phase in TERMINAL or state.candidate is None:
+            return state
+        rc = self._config.routes[route]
+        now = time.time()
+        auto = rc.rollout.mode == "auto"
+        new = dict(state.segments)
+        acted: list[LastDecision] = []
+        holds: list[LastDecision] = []
+        for name, v in verdicts.items():
+            old = state.segments.get(name) or segments.joined(state, rc, name)
+            if old.phase == "paused":
+                continue
+            seg = new[name] = segments.apply(state, old, v, rc.rollout.steps, auto, now)
+            if seg.last_decision is not old.last_decision and seg.last_decision is not None:
+                acted.append(seg.last_decision)
+                metrics.rollout_decisions_total.labels(route, seg.last_decision.decision).inc()
+            elif v.decision.decision == "hold" or not auto:
+                holds.append(v.decision)
+        moved = any(segments.moved(state.segments.get(n), s) for n, s in new.items())
+        update: dict = {"segments": new, "recommendation": segments.combined(holds, now)}
+        if moved:
+            update["since"] = now
+        if acted:
+            update["last_decision"] = segments.combined(acted, now)
+        if update["recommendation"] is not None and not _same_kind(update["recommendation"], state.recommendation):
+            metrics.rollout_decisions_total.labels(route, update["recommendation"].decision).inc()
+        return self._commit(_summarised(state.model_copy(update=update | {"version": state.version + 1})), count=None)
 
     def decide(self, route: str, decision: LastDecision, report: dict | None = None) -> RolloutState:
         """Apply a controller decision; a hold (or any verdict in advisory mode) is only recorded.
@@ -114,19 +197,32 @@ class RolloutBook:
         return self._commit(self._transition(state.model_copy(update=extra), action, decision))
 
     def set_report(self, route: str, report: dict) -> RolloutState:
-        """Store the controller's latest capability matrix (no decision is counted)."""
-        state = self.states[route]
-        return self._commit(state.model_copy(update={"report": report, "version": state.version + 1}), count=None)
+        """Keep the controller's latest capability matrix on the state, here only: it is not a change
+        of the rollout (no version, nothing published; Kafka mode carries it on the reports topic)."""
+        state = self.states[route] = self.states[route].model_copy(update={"report": report})
+        self._save()
+        return state
+
+    def republish(self, route: str) -> None:
+        """Publish the route's state again, unchanged (the leader answers a deposed one's late state,
+        which would otherwise be the latest record of the compacted topic)."""
+        if self._publish is not None:
+            self._publish(self.states[route].model_copy(update={"report": None}))
 
     def adopt(self, incoming: RolloutState) -> bool:
-        """Follow a state published elsewhere (Kafka mode): newer version of a known route wins."""
+        """Follow a state published elsewhere (Kafka mode): the newer (epoch, version) of a known route
+        wins. It comes without the report, so the one this book has of the same rollout stays."""
         current = self.states.get(incoming.route)
         if current is None or precedence(incoming) <= precedence(current):
             return False
-        if incoming.stable != current.stable or incoming.candidate != current.candidate:
+        ours = (incoming.stable, candidates_of(incoming), incoming.scope) == \
+            (current.stable, candidates_of(current), current.scope)
+        if not ours:
             rc = self._config.routes.get(incoming.route)
-            if rc is None or rc.stable != incoming.stable or rc.candidate != incoming.candidate:
+            if rc is None or not same_rollout(incoming, rc):
                 return False
+        elif incoming.report is None and current.report is not None:
+            incoming = incoming.model_copy(update={"report": current.report})
         old = current
         self._set(incoming)
         self._save()
@@ -140,9 +236,10 @@ class RolloutBook:
         restarted = []
         for route, rc in config.routes.items():
             prior = self.states.get(route)
-            if prior is not None and prior.stable == rc.stable and prior.candidate == rc.candidate:
+            if prior is not None and same_rollout(prior, rc):
                 continue
-            state = fresh_state(route, rc, version=(prior.version + 1) if prior else 0)
+            state = fresh_state(route, rc, version=(prior.version + 1) if prior else 0,
+                                epoch=prior.epoch if prior else 0)
             state.last_decision = LastDecision(decision="hold", reasons=["new rollout from config reload"],
                                                ts=time.time(), by="reload")
             self._commit(state)
@@ -154,7 +251,30 @@ class RolloutBook:
         return restarted
 
     # ---- internals -----------------------------------------------------------------------
-    def _transition(self, state: RolloutState, action: Action, decision: LastDecision) -> RolloutState:
+    def _segment_action(self, state: RolloutState, action: Action, decision: LastDecision,
+                        segment: str | None) -> RolloutState:
+        rc = self._config.routes[state.route]
+        if state.phase in TERMINAL:
+            raise TransitionError(f"route {state.route!r} is {state.phase}; name new candidates in the config and reload")
+        now = time.time()
+        names = [segment] if segment is not None else list(state.segments)
+        new = dict(state.segments)
+        errors = []
+        for name in names:
+            try:
+                new[name] = segments.transition(state, name, segments.joined(state, rc, name), action, decision,
+                                                rc.rollout.steps, now)
+            except TransitionError as e:
+                if segment is not None:
+                    raise
+                errors.append(str(e))
+        if new == state.segments:
+            why = "; ".join(errors) or "no segment has joined the rollout yet (a segment joins with its first traffic)"
+            raise TransitionError(f"route {state.route!r}: nothing to {action}: {why}")
+        return _summarised(state.model_copy(update={"segments": new, "last_decision": decision, "since": now,
+                                                    "version": state.version + 1}))
+
+    def _transition(self, state: RolloutState, action: Action, decision: LastDecision) -> RolloutState:  # noqa: C901 - the phase machine as one table: a branch per action
         steps = self._config.routes[state.route].rollout.steps
         phase = state.phase
         if state.candidate is None:
@@ -187,14 +307,17 @@ class RolloutBook:
 
     def _commit(self, state: RolloutState, count: str | None = "phase") -> RolloutState:
         old = self.states.get(state.route)
+        if self.epoch is not None and state.epoch != self.epoch:
+            state = state.model_copy(update={"epoch": self.epoch})
+        state = with_window(state)
         self._set(state)
         self._save()
         if count == "phase" and state.last_decision is not None:
             count = state.last_decision.decision
         if count and count != "phase":
             metrics.rollout_decisions_total.labels(state.route, count).inc()
-        if self._publish is not None:
-            self._publish(state)
+        if self._publish is not None:  # the state only: the report travels on its own
+            self._publish(state.model_copy(update={"report": None}) if state.report is not None else state)
         for listener in self._listeners:
             listener(state, old)
         return state
@@ -203,32 +326,29 @@ class RolloutBook:
         self.states[state.route] = state
         self.routing[state.route] = split_of(state)
         metrics.set_rollout(state.route, state.phase, state.canary_weight if state.phase != "promoted" else 1.0)
-
-    def _load_saved(self) -> dict[str, RolloutState]:
-        if self._persist_path is None or not self._persist_path.exists():
-            return {}
-        try:
-            raw = json.loads(self._persist_path.read_text())
-            return {s["route"]: RolloutState.model_validate(s) for s in raw.get("rollouts", [])}
-        except (OSError, ValueError) as e:
-            log.error("ignoring unreadable rollout state %s: %s", self._persist_path, e)
-            return {}
+        for name, seg in state.segments.items():
+            metrics.set_segment_rollout(state.route, name, seg.phase, seg.canary_weight)
 
     def _save(self) -> None:
-        if self._persist_path is None:
-            return
-        self._persist_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._persist_path.with_suffix(".tmp")
-        payload = {"rollouts": [s.model_dump(mode="json", by_alias=True) for s in self.states.values()]}
-        tmp.write_text(json.dumps(payload, indent=2))
-        os.replace(tmp, self._persist_path)
+        if self._file is not None:
+            self._file.save(list(self.states.values()))
 
 
-def precedence(state: RolloutState) -> tuple[int, int, float]:
-    """Newer version wins; on a tie (an operator and the controller committing at once) the
-    operator's action, then the later one, so every replica settles on the same state."""
+def precedence(state: RolloutState) -> tuple[int, int, int, float]:
+    """A newer leadership epoch wins (a deposed controller's late state is ignored, whatever its
+    version), then the newer version; on a tie (an operator and the controller committing at once)
+    the operator's action, then the later one, so every replica settles on the same state."""
     by_operator = int(state.last_decision is not None and state.last_decision.by == "operator")
-    return state.version, by_operator, state.since
+    return state.epoch, state.version, by_operator, state.since
+
+
+def _summarised(state: RolloutState) -> RolloutState:
+    phase, weight = segments.summary(state.segments)
+    return state.model_copy(update={"phase": phase, "canary_weight": weight})
+
+
+def _same_kind(a: LastDecision | None, b: LastDecision | None) -> bool:
+    return (a.decision if a else None) == (b.decision if b else None)
 
 
 def _decision_of(action: Action) -> Literal["step", "hold", "promote", "rollback"]:

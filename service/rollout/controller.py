@@ -1,16 +1,20 @@
 """The controller: consumes outcomes and evaluations, runs the judge, applies its decisions.
 
 In memory mode `modelcanary serve` runs `Controller(config, bus, book).run(stop)`
-as a task next to the proxy; in Kafka mode `modelcanary control` runs `main()`,
-which first follows the rollouts topic (so a restarted controller resumes the
-phase and step), then judges and publishes every change back to that topic.
+as a task next to the proxy; in Kafka mode `modelcanary control` runs `main()`
+(service/rollout/leader.py): several may run, the one that leads judges.
 
-A restarted controller also resumes its evidence: the rollouts topic gives each
-route's current rollout and the states that opened its windows (`RolloutHistory`),
-and the outcomes and evaluations the controller's group had already consumed since
-that rollout began are read back (`KafkaBus.replay`) before it judges again. The
-group then goes on from its committed offsets; a record seen twice counts once
+A new leader (or a restarted controller) resumes the evidence: each route's latest
+state on the rollouts topic lists the windows its rollout opened (`windows`), and the
+outcomes and evaluations the controller's group had already consumed since that
+rollout began are read back (`KafkaBus.replay`) before it judges again. The group
+then goes on from its committed offsets; a record seen twice counts once
 (RouteEvidence deduplicates by request_id).
+
+Publishing: a state on a decision, on a change of the judge's verdict, once when a new
+leader first judges a route, and otherwise at most every `control.report_interval_s`
+(the verdict's reasons); the report goes on the reports topic at the same times, only
+when it changed.
 """
 
 from __future__ import annotations
@@ -18,20 +22,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import sys
 import time
 from collections.abc import Callable
 
 import aiohttp
 
-from service.bus.base import EventBus
-from service.config import Config
+from service.bus.base import EventBus, Subscription
+from service.config import Config, RouteConfig
 from service.judge.decide import Judgement, judge
 from service.judge.evidence import RouteEvidence
-from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutState
+from service.judge.matrix import capability_matrix
+from service.judge.segments import candidates_of, decide_segments, rollout_start
+from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutReport, RolloutState
 from service.rollout.book import TERMINAL, RolloutBook
-from service.rollout.follower import RolloutHistory, follow_rollouts
+from service.rollout.feedback import REQUESTS_REMEMBERED, FeedbackResolver
 from service.rollout.notify import safe_url, webhook_payload
 
 log = logging.getLogger("modelcanary.controller")
@@ -42,23 +47,31 @@ MIN_INTERVAL_S = 0.05       # the judge never runs more often than this
 MAX_INTERVAL_S = 5.0        # ... and never less often than this
 MIN_GAP_ON_BATCH_S = 1.0    # a busy bus re-runs the judge at most this often (it shares the proxy's loop)
 WEBHOOK_TIMEOUT_S = 5.0
-REPLAY_SKEW_S = 60.0        # read back from this long before a rollout began (clocks of other hosts)
+PAUSED_WAIT_S = 0.2         # how often a paused controller (`may_decide` False) looks again
 
 
 class Controller:
     """Per route: evidence, the judge's latest verdict, and the capability-matrix report."""
 
     def __init__(self, config: Config, bus: EventBus, book: RolloutBook, notify_url: str | None = None, *,
-                 report_interval_s: float = 5.0, clock: Callable[[], float] = time.time):
+                 report_interval_s: float | None = None, clock: Callable[[], float] = time.time):
         self._config = config
         self.bus = bus
         self.book = book
         self.notify_url = notify_url if notify_url is not None else config.notify.webhook_url
-        self.report_interval_s = report_interval_s
+        # the interval bounds the reports topic in Kafka mode; in memory mode no topic grows
+        default_interval = config.control.report_interval_s if config.events.backend == "kafka" else MAX_INTERVAL_S
+        self.report_interval_s = report_interval_s or default_interval
         self.clock = clock
         self.evidence: dict[str, RouteEvidence] = {}
+        # rollout.scope segment: the evidence of each candidate after the first (that one is evidence[route])
+        self.more_evidence: dict[str, dict[str, RouteEvidence]] = {}
         self.judgements: dict[str, Judgement] = {}
+        # in memory mode the proxy resolves all feedback: nothing to remember here
+        remembered = REQUESTS_REMEMBERED if config.events.backend == "kafka" else 1
+        self.feedback = FeedbackResolver(config.control.feedback_hold_s, remembered)
         self._reported_at: dict[str, float] = {}
+        self._sent_reports: dict[str, dict] = {}  # route -> the last report published, without generated_at
         self._tasks: set[asyncio.Task] = set()
         self._session: aiohttp.ClientSession | None = None
         self.last_tick: float | None = None
@@ -79,20 +92,30 @@ class Controller:
         return getattr(self.book, "config", None) or self._config
 
     # ---- the loop ---------------------------------------------------------------------------------
-    async def run(self, stop: asyncio.Event) -> None:
-        sub = self.bus.subscribe(["outcomes", "evaluations"], group=GROUP)
+    def subscribe(self) -> Subscription:
+        return self.bus.subscribe(["outcomes", "evaluations"], group=GROUP)
+
+    async def run(self, stop: asyncio.Event, sub: Subscription | None = None,
+                  may_decide: Callable[[], bool] | None = None) -> None:
+        """Judge until `stop`; `sub` (from `subscribe`) when the caller joined the group already;
+        while `may_decide()` is False, records are still taken in but nothing is judged."""
+        sub = sub or self.subscribe()
         log.info("controller running: judge every %.2f s and on every batch", self.interval_s)
         last = 0.0
         try:
             while not stop.is_set():
                 interval = self.interval_s
-                wait = min(max(0.0, last + interval - self.clock()), 1.0)
+                paused = may_decide is not None and not may_decide()
+                wait = PAUSED_WAIT_S if paused else min(max(0.0, last + interval - self.clock()), 1.0)
                 batch = await sub.get_batch(MAX_BATCH, wait)
+                if stop.is_set():  # e.g. leadership lost while waiting: decide nothing more
+                    break
                 for record in batch:
                     self.ingest(record)
                 now = self.clock()
                 gap = min(MIN_GAP_ON_BATCH_S, interval)
-                if (batch and now - last >= gap) or now - last >= interval:
+                due = (batch and now - last >= gap) or now - last >= interval
+                if due and (may_decide is None or may_decide()):  # checked again: the wait took time
                     try:
                         self.tick(now)
                     except Exception:  # a bug in one tick must not stop the controller
@@ -101,6 +124,7 @@ class Controller:
                 if batch:
                     await sub.commit()
         finally:
+            self.book.off_change(self._on_change)
             try:
                 await sub.close()
             except Exception:
@@ -108,22 +132,16 @@ class Controller:
             await self._drain_webhooks()
 
     # ---- evidence -------------------------------------------------------------------------------------
-    def resume(self, history: RolloutHistory) -> float | None:
-        """Open the windows of each route's current rollout as they were (from the rollouts topic), so
-        the records read back land where they did before a restart. Returns when the earliest of those
-        rollouts began (None: nothing to rebuild)."""
+    def resume(self) -> float | None:
+        """Open the windows of each route's current rollout as they were (listed on its state), so the
+        records read back land where they did before. Returns when the earliest of those rollouts
+        began (None: nothing to rebuild)."""
         began: list[float] = []
         for route, state in self.book.states.items():
             rc = self.config.routes.get(route)
             if rc is None or state.candidate is None or state.phase in TERMINAL:
                 continue
-            states = [s for s in history.windows(route) if (s.stable, s.candidate) == (state.stable, state.candidate)]
-            if not states:
-                continue
-            ev = self.evidence[route] = RouteEvidence(route, rc, state.stable, state.candidate)
-            for s in states:
-                ev.sync(s)
-            ev.sync(state)
+            ev = self.evidence[route] = _reopened(route, rc, state, state.candidate)
             began.append(ev.windows[0].start)
             log.info("route %s: rollout began at %.3f; %d evidence windows", route, ev.windows[0].start,
                      len(ev.windows))
@@ -143,25 +161,65 @@ class Controller:
         ev.sync(state)
         return ev
 
+    def _evidences(self, route: str) -> dict[str, RouteEvidence]:
+        """Each candidate's evidence; with rollout.scope segment every candidate is judged, each against
+        stable (the first's is `evidence[route]`)."""
+        first = self._evidence_for(route)
+        if first is None:
+            return {}
+        state = self.book.states[route]
+        if state.scope != "segment":
+            return {first.candidate: first}  # type: ignore[dict-item]
+        began = rollout_start(state) - 1e-6
+        if first.windows[0].start < began:  # a previous rollout's, with the same first candidate
+            del self.evidence[route]
+            first = self._evidence_for(route)
+            assert first is not None
+        out = {state.candidate: first}
+        others = self.more_evidence.setdefault(route, {})
+        for candidate in candidates_of(state)[1:]:
+            ev = others.get(candidate)
+            if ev is None or ev.stable != state.stable or ev.windows[0].start < began:
+                ev = others[candidate] = _reopened(route, first.rc, state, candidate)
+            ev.rc = first.rc
+            ev.sync(state)
+            out[candidate] = ev
+        return out  # type: ignore[return-value]
+
     def ingest(self, record: Record) -> bool:
-        """Add one outcome or evaluation record to its route's evidence."""
+        """Add one outcome or evaluation record to its route's evidence (feedback once resolved)."""
         if isinstance(record, OutcomeEvent):
-            ev = self._evidence_for(record.route)
-            return ev.add_outcome(record) if ev is not None else False
+            if record.kind == "feedback":
+                resolved = self.feedback.feedback(record)
+                return resolved is not None and self._add_outcome(resolved)
+            added = self._add_outcome(record)
+            for resolved in self.feedback.outcome(record):
+                self._add_outcome(resolved)
+            return added
         if isinstance(record, EvaluationRecord):
-            ev = self._evidence_for(record.route)
+            ev = self._evidences(record.route).get(record.candidate_model)
             return ev.add_evaluation(record) if ev is not None else False
         return False
+
+    def _add_outcome(self, record: OutcomeEvent) -> bool:
+        evs = self._evidences(record.route).values() if record.route is not None else ()
+        return any([ev.add_outcome(record) for ev in evs])  # a list: every candidate's evidence takes it
 
     # ---- judging ------------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> dict[str, LastDecision]:
         """Run the judge on every route under rollout; apply and record its decisions."""
         now = self.clock() if now is None else now
         self.last_tick = now
+        self.feedback.expire()
         decisions: dict[str, LastDecision] = {}
         for route, rc in self.config.routes.items():
             state = self.book.states.get(route)
             if state is None or state.candidate is None or state.phase in TERMINAL:
+                continue
+            if state.scope == "segment":
+                verdict = self._judge_segments(route, rc, state, now)
+                if verdict is not None:
+                    decisions[route] = verdict
                 continue
             ev = self._evidence_for(route)
             if ev is None:
@@ -172,21 +230,67 @@ class Controller:
             d = j.decision
             if d is None:  # paused: keep the report fresh, nothing to decide
                 if due:
-                    self.book.set_report(route, self._report(route, state, j, ev, now))
-                    self._reported_at[route] = now
+                    self._send_report(route, self.book.set_report(route, self._report(route, state, j, ev, now)))
                 continue
             decisions[route] = d
             prev = state.recommendation
             acts = d.decision != "hold" and rc.rollout.mode == "auto"
             changed = prev is None or prev.decision != d.decision
-            if acts or changed or due:
-                self.book.decide(route, d, report=self._report(route, state, j, ev, now))
-                self._reported_at[route] = now
+            new_leader = self.book.epoch is not None and state.epoch != self.book.epoch
+            if acts or changed or due or new_leader:
+                self._send_report(route, self.book.decide(route, d, report=self._report(route, state, j, ev, now)))
                 if acts:
                     log.info("route %s: %s — %s", route, d.decision, "; ".join(d.reasons))
                     new_state = self.book.states[route]
                     ev.sync(new_state)
         return decisions
+
+    def _judge_segments(self, route: str, rc: RouteConfig, state: RolloutState, now: float) -> LastDecision | None:
+        """rollout.scope segment: judge every candidate, decide each segment on its own, apply."""
+        evs = self._evidences(route)
+        if not evs:
+            return None
+        judgements = {c: judge(state, rc, ev, now) for c, ev in evs.items()}
+        self.judgements[route] = judgements[state.candidate]  # type: ignore[index]
+        verdicts = decide_segments(state, rc, {c: j.comparisons for c, j in judgements.items()}, evs, now)
+        due = now - self._reported_at.get(route, -1e18) >= self.report_interval_s
+        acts = rc.rollout.mode == "auto" and any(v.decision.decision != "hold" or v.rejected for v in verdicts.values())
+        changed = any((seg := state.segments.get(name)) is None or seg.recommendation is None
+                      or seg.recommendation.decision != v.decision.decision for name, v in verdicts.items())
+        new_leader = self.book.epoch is not None and state.epoch != self.book.epoch
+        if not verdicts or not (acts or changed or due or new_leader):
+            if due:
+                self._send_report(route, self.book.set_report(route, self._segment_report(route, state, judgements,
+                                                                                          evs, now)))
+            return state.recommendation
+        new = self.book.decide_segments(route, verdicts)
+        self._send_report(route, self.book.set_report(route, self._segment_report(route, new, judgements, evs, now)))
+        for ev in evs.values():
+            ev.sync(new)
+        if acts and new.last_decision is not None:
+            log.info("route %s: %s — %s", route, new.last_decision.decision, "; ".join(new.last_decision.reasons))
+        return new.last_decision if acts else new.recommendation
+
+    def _segment_report(self, route: str, state: RolloutState, judgements: dict[str, Judgement],
+                        evs: dict[str, RouteEvidence], now: float) -> dict:
+        """The report of the first candidate, as in scope route, with every candidate's own and the
+        capability × cost matrix (candidates × segments)."""
+        report = self._report(route, state, judgements[state.candidate], evs[state.candidate], now)  # type: ignore[index]
+        report["scope"] = "segment"
+        report["candidates"] = {c: {"judge": j.report(), "live": evs[c].live_summary()} for c, j in judgements.items()}
+        report["matrix"] = capability_matrix(state, {c: j.comparisons for c, j in judgements.items()})
+        return finite(report)
+
+    def _send_report(self, route: str, state: RolloutState) -> None:
+        """Publish the state's report on the reports topic, unless it is the one published last."""
+        report = state.report or {}
+        self._reported_at[route] = report.get("generated_at", self.clock())
+        body = {k: v for k, v in report.items() if k != "generated_at"}
+        if not report or self._sent_reports.get(route) == body:
+            return
+        self._sent_reports[route] = body
+        self.bus.publish("reports", RolloutReport(route=route, ts=self._reported_at[route],
+                                                  epoch=self.book.epoch or 0, report=report))
 
     def _report(self, route: str, state: RolloutState, j: Judgement, ev: RouteEvidence, now: float) -> dict:
         report: dict = {
@@ -199,6 +303,7 @@ class Controller:
             "candidate": state.candidate,
             "judge": j.report(),
             "live": ev.live_summary(),
+            "feedback": self.feedback.summary(route),
         }
         if ev.shadow_stats is not None:
             try:
@@ -242,6 +347,16 @@ class Controller:
             await self._session.close()
 
 
+def _reopened(route: str, rc: RouteConfig, state: RolloutState, candidate: str) -> RouteEvidence:
+    """Evidence of one candidate with the windows of the route's current rollout open as they were
+    (listed on its state), so that records read back land where they did before."""
+    ev = RouteEvidence(route, rc, state.stable, candidate)
+    for phase, step, since in state.windows:
+        ev.sync(state.model_copy(update={"phase": phase, "step_index": step, "since": since}))
+    ev.sync(state)
+    return ev
+
+
 def finite(obj):
     """The report as strict JSON: NaN and ±inf become null (JSON has neither)."""
     if isinstance(obj, float):
@@ -253,97 +368,16 @@ def finite(obj):
     return obj
 
 
-# ---- `modelcanary control` (Kafka mode) --------------------------------------------------------------
-
-async def _serve_health(config: Config, controller_ref: dict):
-    from aiohttp import web
-
-    from service import metrics
-
-    async def metrics_handler(_request):
-        body, ctype = metrics.exposition()
-        return web.Response(body=body, headers={"Content-Type": ctype})
-
-    async def healthz(_request):
-        c = controller_ref.get("controller")
-        return web.json_response({"status": "ok", "caught_up": c is not None,
-                                  "last_tick": c.last_tick if c else None})
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", healthz)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.control.metrics_port)
-    await site.start()
-    return runner
-
-
-async def _resume_evidence(controller: Controller, bus: EventBus, history: RolloutHistory,
-                           stop: asyncio.Event) -> int:
-    """Rebuild the judge's evidence of the current rollouts from what this controller's group consumed."""
-    began = controller.resume(history)
-    if began is None:
-        return 0
-    t0 = time.monotonic()
-    n = await bus.replay(["outcomes", "evaluations"], GROUP, began - REPLAY_SKEW_S, controller.ingest, stop)
-    for route, ev in controller.evidence.items():
-        log.info("route %s: evidence rebuilt from %d records read back in %.1f s (%d in the current window, "
-                 "%d duplicates)", route, n, time.monotonic() - t0, ev.step_samples(
-                     controller.book.states[route].phase), ev.duplicates)
-    return n
-
-
-async def _control(config: Config) -> int:
-    from service.bus import make_bus
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    ref: dict = {}
-    runner = await _serve_health(config, ref)
-    bus = make_bus(config.events)
-    await bus.start()
-    book = RolloutBook(config, persist_path=None, publish=lambda s: bus.publish("rollouts", s))
-    follow = bus.subscribe(["rollouts"], group=None)
-    follower: asyncio.Task | None = None
-    try:
-        history = RolloutHistory()
-        n = await follow_rollouts(follow, book, stop, catch_up=True, history=history)
-        for route, state in book.states.items():
-            log.info("resuming route %s: phase %s, step %d (%d states adopted)", route, state.phase,
-                     state.step_index, n)
-        controller = Controller(config, bus, book)
-        await _resume_evidence(controller, bus, history, stop)
-        ref["controller"] = controller
-        follower = asyncio.create_task(follow_rollouts(follow, book, stop))
-        await controller.run(stop)
-    finally:
-        stop.set()
-        if follower is not None:
-            await asyncio.gather(follower, return_exceptions=True)
-        try:
-            await follow.close()
-        except Exception:
-            pass
-        await bus.close()
-        await runner.cleanup()
-    return 0
-
-
 def main(config: Config) -> int:
     """`modelcanary control --config FILE`: the controller process for Kafka mode."""
     if config.events.backend != "kafka":
         print("error: events.backend is memory; the controller runs inside `modelcanary serve` "
               "(use `modelcanary control` with events.backend: kafka)", file=sys.stderr)
         return 1
+    from service.rollout.leader import control
+
     try:
-        return asyncio.run(_control(config))
+        return asyncio.run(control(config))
     except KeyboardInterrupt:
         return 0
     except OSError as e:

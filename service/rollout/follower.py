@@ -1,62 +1,81 @@
-"""Following the rollouts topic: every replica adopts the latest state per route."""
+"""Following the rollouts and reports topics (Kafka mode): every replica adopts each route's latest
+state and report.
+
+A catch-up reads each route's latest record of both topics, not their whole history (see
+`KafkaBus.follow`), then every new record. A state of an older leadership epoch than the book's
+(a deposed controller's late publish) is ignored; the leading controller answers it by publishing
+its own state again, so that its state stays the latest record of the compacted topic.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from typing import TYPE_CHECKING
 
-from service.judge.evidence import window_key
-from service.records import RolloutState
-from service.rollout.book import RolloutBook, precedence
+from service.records import Record, RolloutReport, RolloutState
+from service.rollout.book import RolloutBook
 
-CATCH_UP_FIRST_WAIT_S = 5.0    # how long an empty rollouts topic is waited for
+if TYPE_CHECKING:
+    from service.bus.kafka import KafkaBus
+
+log = logging.getLogger("modelcanary.rollout")
+
 CATCH_UP_MAX_S = 60.0
+BATCH = 500
 
 
-class RolloutHistory:
-    """Per route, the states that opened evidence windows in its latest rollout (latest stable/candidate
-    pair), in the order a follower adopting the rollouts topic from the start took them up. Reports are
-    not kept (one state per window, so this stays small however long the topic is)."""
+class Follower:
+    def __init__(self, bus: KafkaBus, book: RolloutBook):
+        self.book = book
+        self.sub = bus.follow(["rollouts", "reports"], keys=list(book.states))
+        self._reports: dict[str, tuple[int, float]] = {}  # route -> (epoch, ts) of the report kept
+        self.adopted = 0
 
-    def __init__(self) -> None:
-        self._latest: dict[str, RolloutState] = {}
-        self._windows: dict[str, list[RolloutState]] = {}
+    def handle(self, records: list[Record]) -> None:
+        book = self.book
+        for rec in records:
+            if isinstance(rec, RolloutState):
+                if book.adopt(rec):
+                    self.adopted += 1
+                elif book.epoch is not None and rec.epoch < book.epoch and rec.route in book.states:
+                    log.warning("route %s: ignored a state of epoch %d (version %d) from a deposed controller",
+                                rec.route, rec.epoch, rec.version)
+                    book.republish(rec.route)
+            elif isinstance(rec, RolloutReport):
+                self._report(rec)
 
-    def add(self, state: RolloutState) -> None:
-        current = self._latest.get(state.route)
-        if current is not None and precedence(state) <= precedence(current):
-            return  # a stale state from another replica: nobody adopted it
-        self._latest[state.route] = state
-        opened = self._windows.setdefault(state.route, [])
-        if opened and (opened[-1].stable, opened[-1].candidate) != (state.stable, state.candidate):
-            opened.clear()  # a new rollout
-        if not opened or window_key(opened[-1]) != window_key(state):
-            opened.append(state.model_copy(update={"report": None}))
+    def _report(self, rec: RolloutReport) -> None:
+        state = self.book.states.get(rec.route)
+        rank = (rec.epoch, rec.ts)
+        if state is None or rank <= self._reports.get(rec.route, (-1, 0.0)):
+            return
+        if (rec.report.get("stable"), rec.report.get("candidate")) != (state.stable, state.candidate):
+            return  # of another rollout
+        self._reports[rec.route] = rank
+        self.book.set_report(rec.route, rec.report)
 
-    def windows(self, route: str) -> list[RolloutState]:
-        return list(self._windows.get(route, ()))
+    async def catch_up(self, stop: asyncio.Event) -> bool:
+        """Adopt each route's latest state and report; False if that took over CATCH_UP_MAX_S."""
+        deadline = time.monotonic() + CATCH_UP_MAX_S
+        while not stop.is_set() and time.monotonic() < deadline:
+            ready = self.sub.caught_up.is_set()  # before the batch: what it buffered comes in this one
+            batch = await self.sub.get_batch(BATCH, 0.5)
+            self.handle(batch)
+            if ready and not batch:
+                return True
+        return False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Adopt every new record until `stop`, then close."""
+        try:
+            while not stop.is_set():
+                self.handle(await self.sub.get_batch(BATCH, 0.5))
+        finally:
+            await self.sub.close()
 
 
-async def follow_rollouts(sub, book: RolloutBook, stop: asyncio.Event | None = None, *,
-                          catch_up: bool = False, history: RolloutHistory | None = None) -> int:
-    """Adopt rollout states from the topic. With catch_up=True return once caught up (an empty poll
-    after data, or nothing within CATCH_UP_FIRST_WAIT_S); otherwise follow until `stop`. `history`,
-    when given, sees every state read."""
-    adopted = 0
-    seen = False
-    started = time.monotonic()
-    while stop is None or not stop.is_set():
-        batch = await sub.get_batch(500, 1.0 if catch_up else 0.5)
-        for rec in batch:
-            if not isinstance(rec, RolloutState):
-                continue
-            if history is not None:
-                history.add(rec)
-            if book.adopt(rec):
-                adopted += 1
-        if catch_up:
-            seen = seen or bool(batch)
-            waited = time.monotonic() - started
-            if (seen and not batch) or (not seen and waited >= CATCH_UP_FIRST_WAIT_S) or waited >= CATCH_UP_MAX_S:
-                return adopted
-    return adopted
+async def follow(bus: KafkaBus, book: RolloutBook, stop: asyncio.Event) -> None:
+    """A proxy replica's follower: adopt states and reports until `stop`."""
+    await Follower(bus, book).run(stop)

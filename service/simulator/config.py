@@ -105,6 +105,7 @@ class Overrides(Strict):
     output_tokens: Dist | None = None
     context_tokens: int | None = Field(None, gt=0)
     divergence: Probability | None = None
+    wrong_content: Probability | None = None
     failures: FailuresPatch | None = None
 
     @field_validator("output_tokens")
@@ -128,10 +129,13 @@ class SimModel(Strict):
     output_tokens: Dist = Dist(median=60, p95=200)
     context_tokens: int = Field(128000, gt=0)
     divergence: Probability = 0.0
+    wrong_content: Probability = 0.0              # fluent answers with a wrong fact (for the pairwise judge)
     failures: Failures = Failures()
     segments: dict[str, Overrides] = {}
     phases: list[Phase] = []
     embedding_dims: int = Field(256, gt=0, le=8192)
+    judge: bool = False                           # answer pairwise-judge prompts from the planted facts
+    judge_error: Probability = 0.0                # chance of a random verdict instead
 
     @field_validator("output_tokens")
     @classmethod
@@ -169,11 +173,12 @@ class Effective:
     output_tokens: tuple[float, float]
     context_tokens: int
     divergence: float
+    wrong_content: float
     failures: tuple[float, ...]         # probabilities in FAILURE_KINDS order
 
 
 def _apply(state: dict, o: Overrides) -> None:
-    for name in ("latency_s", "ttft_s", "output_tokens", "context_tokens", "divergence"):
+    for name in ("latency_s", "ttft_s", "output_tokens", "context_tokens", "divergence", "wrong_content"):
         value = getattr(o, name)
         if value is not None:
             state[name] = value
@@ -190,6 +195,7 @@ def resolve(model: SimModel, segment: str | None, phases_passed: int) -> Effecti
         "output_tokens": model.output_tokens,
         "context_tokens": model.context_tokens,
         "divergence": model.divergence,
+        "wrong_content": model.wrong_content,
         "failures": model.failures.model_dump(),
     }
     if segment is not None and segment in model.segments:
@@ -204,6 +210,7 @@ def resolve(model: SimModel, segment: str | None, phases_passed: int) -> Effecti
         output_tokens=state["output_tokens"].mu_sigma,
         context_tokens=state["context_tokens"],
         divergence=state["divergence"],
+        wrong_content=state["wrong_content"],
         failures=tuple(state["failures"][k] for k in FAILURE_KINDS),
     )
 

@@ -4,11 +4,13 @@ The engine knows nothing about sockets. Each request becomes a `Reply`: a status
 body (or SSE frames with their send times), the delay before sending, or a hang.
 
 Determinism. Content is a function of (seed, prompt, variant) only, so every model
-gives the same answer to the same prompt (variant 0). Per call, each model's own RNG
-(derived from the seed and the model name) draws, in a fixed order and always the
-same number of times: one uniform per failure kind (FAILURE_KINDS order), divergence,
-variant, alternative, latency and time to first token. The first failure that fires
-and applies to the request wins. Same seed + same request sequence = same outcomes.
+gives the same content to the same prompt (variant 0), in its own wording on each call
+(facts.py: text states facts, rephrased per call; JSON keeps its values, with its keys and
+spacing laid out anew). Per call, each model's own RNG (derived from the seed and the model
+name) draws, in a fixed order and always the same number of times: one uniform per failure
+kind (FAILURE_KINDS order), divergence, variant, alternative, latency, time to first token,
+wrong content, wording and the judge's error. The first failure that fires and applies to
+the request wins. Same seed + same request sequence = same outcomes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from statistics import NormalDist
 from typing import Any
 
 from service.proxy.segments import classify_segment, estimate_tokens, message_chars
+from service.simulator import judge
 from service.simulator.config import FAILURE_KINDS, Effective, SimModel, SimulatorConfig, resolve
+from service.simulator.facts import fact_count, facts, render, wrong_facts
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 _loads = json.loads
@@ -186,7 +190,7 @@ class InstanceGenerator:
                 return {}
         return node
 
-    def value(self, schema: Any, depth: int = 0) -> Any:
+    def value(self, schema: Any, depth: int = 0) -> Any:  # noqa: C901 - one branch per JSON Schema keyword
         rng = self.rng
         if schema is True or not isinstance(schema, dict):
             return self.words(1, 3)
@@ -394,6 +398,9 @@ class Draw:
     alt: float            # a spare uniform (e.g. 500 vs 503)
     latency: float        # seconds, unscaled
     ttft: float
+    wrong: bool = False   # state a wrong fact (wrong_content)
+    wording: int = 0      # the wording key of this call's rendering (0 = canonical)
+    judge_u: float = 0.0  # the judge's error draw
 
 
 class ModelState:
@@ -425,8 +432,10 @@ class ModelState:
             if failure is None and u < p and kind in applicable:
                 failure = kind
         u_div, u_var, alt, u_lat, u_ttft = r(), r(), r(), r(), r()
+        u_wrong, u_word, u_judge = r(), r(), r()
         variant = 1 + int(u_var * 2147483647) if u_div < eff.divergence else 0
-        return Draw(failure, variant, alt, lognormal(eff.latency, u_lat), lognormal(eff.ttft, u_ttft))
+        return Draw(failure, variant, alt, lognormal(eff.latency, u_lat), lognormal(eff.ttft, u_ttft),
+                    wrong=u_wrong < eff.wrong_content, wording=1 + int(u_word * 2**62), judge_u=u_judge)
 
     def extra_variant(self, eff: Effective) -> int:
         """Variant of an additional choice (n > 1): its own divergence draw."""
@@ -553,7 +562,7 @@ class Engine:
 
     # -------------------------------------------------------- POST /v1/chat/completions
 
-    def chat(self, raw: bytes, task_type: str | None = None) -> Reply:
+    def chat(self, raw: bytes, task_type: str | None = None) -> Reply:  # noqa: C901 - the simulated request's steps in order (parse, fail, answer, price)
         parsed = self._body_and_model(raw)
         if isinstance(parsed, Reply):
             return parsed
@@ -599,10 +608,12 @@ class Engine:
         if failed is not None:
             return failed
 
-        prompt_key = _key(self.seed, "prompt", _dumps(_canonical(messages)))
+        prompt_key = self._prompt_key(messages)
+        verdict = self._judge(ms, messages, draw) if ms.cfg.judge else None
         variants = [draw.variant] + [ms.extra_variant(eff) for _ in range(n - 1)]
         answers = [self._chat_answer(eff, prompt_key, v, i, draw.failure, tool, legacy, schema, json_mode,
-                                     max_tokens) for i, v in enumerate(variants)]
+                                     max_tokens, wording=draw.wording + i, wrong=draw.wrong, verdict=verdict)
+                   for i, v in enumerate(variants)]
         completion_tokens = sum(a.tokens for a in answers)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
@@ -630,10 +641,30 @@ class Engine:
             out = out[: max(1, len(out) // 2)]
         return Reply(body=out, delay=self._scaled(latency))
 
-    def _chat_answer(self, eff: Effective, prompt_key: int, variant: int, index: int, failure: str | None,
+    def _facts(self, eff: Effective, akey: int, wrong_key: int) -> list:
+        """The facts of a text answer (one of them wrong with a wrong_key)."""
+        stated = facts(akey, fact_count(self._n_tokens(eff, akey)))
+        return wrong_facts(stated, wrong_key) if wrong_key else stated
+
+    def _prompt_key(self, messages: list) -> int:
+        return _key(self.seed, "prompt", _dumps(_canonical(messages)))
+
+    def _judge(self, ms: ModelState, messages: list, draw: Draw) -> dict | None:
+        """A judge model's verdict on a pairwise prompt (None: not one, answer normally)."""
+        prompt = judge.pairwise_prompt(messages)
+        if prompt is None:
+            return None
+        conversation, a, b = prompt
+        error = draw.judge_u < ms.cfg.judge_error
+        pick = draw.judge_u / ms.cfg.judge_error if error else 0.0  # uniform again, given the error
+        return judge.verdict(a, b, self._prompt_key(conversation), error, pick)
+
+    def _chat_answer(self, eff: Effective, prompt_key: int, variant: int, index: int, failure: str | None,  # noqa: C901 - one branch per kind of answer (failure, tool, JSON, text)
                      tool: dict | None, legacy: bool, schema: Any, json_mode: bool,
-                     max_tokens: int | None) -> Answer:
+                     max_tokens: int | None, wording: int = 0, wrong: bool = False,
+                     verdict: dict | None = None) -> Answer:
         akey = self._answer_key(prompt_key, variant)
+        wrong_key = _key(self.seed, "wrong", akey) if wrong else 0
         if failure == "content_filtered":
             return Answer(content="", pieces=[], finish="content_filter", tokens=0)
         if failure == "refusal":
@@ -641,12 +672,12 @@ class Engine:
                           tokens=estimate_tokens(len(REFUSAL_TEXT)), refusal=REFUSAL_TEXT)
         if failure == "empty_output":
             return Answer(content="", pieces=[], finish="stop", tokens=0)
-        if tool is not None:
+        if tool is not None and verdict is None:
             fn = tool.get("function") if not legacy else tool
             fn = fn if isinstance(fn, dict) else {}
-            rng = random.Random(akey ^ 0x7F4A7C15)
-            args = _dumps(InstanceGenerator(rng, fn.get("parameters") or {}).value(
-                _object_schema(fn.get("parameters")))) if fn.get("parameters") is not None else "{}"
+            rng = random.Random(akey ^ 0x7F4A7C15 ^ wrong_key)
+            args = _laid_out(InstanceGenerator(rng, fn.get("parameters") or {}).value(
+                _object_schema(fn.get("parameters"))), wording, compact=True) if fn.get("parameters") is not None else "{}"
             finish = "function_call" if legacy else "tool_calls"
             if failure == "invalid_tool_call":
                 args = args[:-1] if len(args) > 1 else "{"
@@ -658,14 +689,16 @@ class Engine:
                     "type": "function", "function": {"name": fn.get("name", ""), "arguments": args}}
             return Answer(content=None, pieces=split_pieces(args), finish=finish,
                           tokens=max(1, estimate_tokens(len(args))), tool_call=call, legacy_function=legacy)
-        if json_mode:
-            rng = random.Random(akey ^ 0x3C6EF372)
-            if schema is None:
-                n = self._n_tokens(eff, akey)
-                value: Any = {"answer": "".join(self._pieces(akey, n)), "confidence": round(rng.random(), 2)}
+        if json_mode or verdict is not None:
+            rng = random.Random(akey ^ 0x3C6EF372 ^ wrong_key)
+            if verdict is not None:
+                value: Any = verdict
+            elif schema is None:
+                value = {"answer": "".join(render(self._facts(eff, akey, wrong_key), 0)),
+                         "confidence": round(random.Random(akey ^ 0x3C6EF372).random(), 2)}
             else:
                 value = InstanceGenerator(rng, schema).value(schema)
-            content = json.dumps(value)
+            content = _laid_out(value, wording)
             finish = "stop"
             if failure == "invalid_json":
                 content = "Sure! Here is the JSON you asked for:\n```json\n" + content + "\n```"
@@ -675,11 +708,10 @@ class Engine:
                 content, finish = content[: max_tokens * 4], "length"
             return Answer(content=content, pieces=split_pieces(content), finish=finish,
                           tokens=max(1, estimate_tokens(len(content))))
-        n = self._n_tokens(eff, akey)
-        pieces = self._pieces(akey, n)
+        pieces = render(self._facts(eff, akey, wrong_key), wording)
         finish = "stop"
         if failure == "truncated":
-            pieces, finish = pieces[: max(1, n // 2)], "length"
+            pieces, finish = pieces[: max(1, len(pieces) // 2)], "length"
         if max_tokens is not None and len(pieces) > max_tokens:
             pieces, finish = pieces[:max_tokens], "length"
         return Answer(content="".join(pieces), pieces=pieces, finish=finish, tokens=len(pieces))
@@ -757,7 +789,7 @@ class Engine:
 
     # -------------------------------------------------------- POST /v1/completions (legacy)
 
-    def completion(self, raw: bytes, task_type: str | None = None) -> Reply:
+    def completion(self, raw: bytes, task_type: str | None = None) -> Reply:  # noqa: C901 - the legacy completions twin of chat(), same steps
         parsed = self._body_and_model(raw)
         if isinstance(parsed, Reply):
             return parsed
@@ -895,6 +927,19 @@ def _canonical(messages: list) -> list:
     return out
 
 
+def _laid_out(value: Any, wording: int, compact: bool = False) -> str:
+    """A JSON value as text: canonical for wording 0, else its keys in another order and other spacing."""
+    if not wording:
+        return _dumps(value) if compact else json.dumps(value)
+    rng = random.Random(wording)
+    if isinstance(value, dict):
+        keys = list(value)
+        rng.shuffle(keys)
+        value = {k: value[k] for k in keys}
+    style = rng.randrange(2 if compact else 3)
+    return _dumps(value) if style == 0 else json.dumps(value) if style == 1 else json.dumps(value, indent=2)
+
+
 def _object_schema(params: Any) -> Any:
     if isinstance(params, dict) and "type" not in params and ("properties" in params or not params):
         return {**params, "type": "object"}
@@ -915,7 +960,7 @@ def _json_schema(body: dict) -> tuple[Any, bool]:
     return None, False
 
 
-def _pick_tool(body: dict, messages: list, seed: int) -> tuple[dict | None, bool, Reply | None]:
+def _pick_tool(body: dict, messages: list, seed: int) -> tuple[dict | None, bool, Reply | None]:  # noqa: C901 - tool_choice's forms (auto, none, required, named, legacy)
     """(tool to call or None, legacy `functions`?, error reply)."""
     tools = body.get("tools")
     legacy = False

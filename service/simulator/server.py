@@ -17,8 +17,10 @@ from collections.abc import Callable
 
 import httptools
 
+from service.simulator import messages
 from service.simulator.config import SimulatorConfig
 from service.simulator.engine import Engine, Reply, error_reply, invalid_api_key_reply
+from service.simulator.responses import ResponsesEndpoint
 
 try:
     import uvloop
@@ -32,7 +34,7 @@ HANG_SECONDS = 3600.0       # a "timeout" failure holds the connection this long
 _REASONS = {
     200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found",
     405: b"Method Not Allowed", 413: b"Payload Too Large", 417: b"Expectation Failed",
-    429: b"Too Many Requests", 500: b"Internal Server Error", 503: b"Service Unavailable",
+    429: b"Too Many Requests", 500: b"Internal Server Error", 503: b"Service Unavailable", 529: b"Overloaded",
 }
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in _REASONS.items()}
 _HEALTH = Reply(body=b'{"status":"ok"}')
@@ -50,12 +52,14 @@ def _not_allowed(method: bytes, path: bytes) -> Reply:
 
 
 class _Request:
-    __slots__ = ("method", "url", "auth", "task_type", "body", "keep_alive", "http11", "too_large", "arrival")
+    __slots__ = ("method", "url", "auth", "anthropic", "task_type", "body", "keep_alive", "http11", "too_large",
+                 "arrival")
 
-    def __init__(self, method, url, auth, task_type, body, keep_alive, http11, too_large):
+    def __init__(self, method, url, auth, anthropic, task_type, body, keep_alive, http11, too_large):
         self.method = method
         self.url = url
         self.auth = auth
+        self.anthropic = anthropic  # an Anthropic client (it sent `anthropic-version`)
         self.task_type = task_type
         self.body = body
         self.keep_alive = keep_alive
@@ -64,11 +68,21 @@ class _Request:
         self.arrival = 0.0
 
 
+class Apis:
+    """The engine and the endpoints of the other API formats rendered from it (shared by connections)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.responses = ResponsesEndpoint(engine)
+        self.messages = messages.MessagesEndpoint(engine)
+
+
 class HttpProtocol(asyncio.Protocol):
     """One client connection."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, conns: set):
-        self.engine = engine
+    def __init__(self, apis: Apis, loop: asyncio.AbstractEventLoop, conns: set):
+        self.apis = apis
+        self.engine = apis.engine
         self.loop = loop
         self.conns = conns
         self.parser = httptools.HttpRequestParser(self)
@@ -87,6 +101,8 @@ class HttpProtocol(asyncio.Protocol):
         self.body: list[bytes] = []
         self.body_size = 0
         self.auth: bytes | None = None
+        self.api_key: bytes | None = None
+        self.anthropic = False
         self.task_type: str | None = None
         self.expect: bytes | None = None
         self.too_large = False
@@ -140,6 +156,10 @@ class HttpProtocol(asyncio.Protocol):
         name = name.lower()
         if name == b"authorization":
             self.auth = value
+        elif name == b"x-api-key":
+            self.api_key = value
+        elif name == b"anthropic-version":
+            self.anthropic = True
         elif name == b"x-task-type":
             self.task_type = value.decode("latin-1")
         elif name == b"expect":
@@ -172,7 +192,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         p = self.parser
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        req = _Request(p.get_method(), self.url, self.auth, self.task_type, body, p.should_keep_alive(),
+        auth = self.auth if self.auth is not None or self.api_key is None else b"Bearer " + self.api_key
+        req = _Request(p.get_method(), self.url, auth, self.anthropic, self.task_type, body, p.should_keep_alive(),
                        p.get_http_version() == "1.1", self.too_large)
         self.pending.append(req)
         if self.busy:
@@ -210,7 +231,7 @@ class HttpProtocol(asyncio.Protocol):
         elif self.half_closed:
             self.close()
 
-    def _dispatch(self, req: _Request) -> Reply:
+    def _dispatch(self, req: _Request) -> Reply:  # noqa: C901 - one router over the simulator's endpoints and methods
         url = req.url
         q = url.find(b"?")
         path = url if q < 0 else url[:q]
@@ -228,12 +249,24 @@ class HttpProtocol(asyncio.Protocol):
             if not engine.authorized(req.auth):
                 return invalid_api_key_reply()
             return engine.chat(req.body, req.task_type)
+        if path == b"/responses":
+            if method != b"POST":
+                return _not_allowed(method, req.url)
+            if not engine.authorized(req.auth):
+                return invalid_api_key_reply()
+            return self.apis.responses.respond(req.body, req.task_type)
+        if path == b"/messages":
+            if method != b"POST":
+                return _not_allowed(method, req.url)
+            if not engine.authorized(req.auth):
+                return messages.invalid_key_reply()
+            return self.apis.messages.respond(req.body, req.task_type)
         if path == b"/models":
             if method != b"GET":
                 return _not_allowed(method, req.url)
             if not engine.authorized(req.auth):
-                return invalid_api_key_reply()
-            return engine.list_models()
+                return messages.invalid_key_reply() if req.anthropic else invalid_api_key_reply()
+            return messages.list_models(engine) if req.anthropic else engine.list_models()
         if path == b"/embeddings" or path == b"/completions":
             if method != b"POST":
                 return _not_allowed(method, req.url)
@@ -334,7 +367,8 @@ class HttpProtocol(asyncio.Protocol):
 async def _start(engine: Engine, host: str, port: int) -> tuple[asyncio.AbstractServer, set]:
     loop = asyncio.get_running_loop()
     conns: set = set()
-    server = await loop.create_server(lambda: HttpProtocol(engine, loop, conns), host, port, backlog=2048,
+    apis = Apis(engine)
+    server = await loop.create_server(lambda: HttpProtocol(apis, loop, conns), host, port, backlog=2048,
                                       reuse_address=True)
     return server, conns
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from service.config import Config
+from service.upstream.anthropic import AnthropicProvider
 from service.upstream.base import Provider, TransportFailure, UpstreamReply
 from service.upstream.openai_compatible import OpenAICompatibleProvider
 
@@ -10,4 +11,6 @@ __all__ = ["Provider", "TransportFailure", "UpstreamReply", "make_providers"]
 
 
 def make_providers(config: Config) -> dict[str, Provider]:
-    return {name: OpenAICompatibleProvider(name, cfg) for name, cfg in config.providers.items()}
+    """One provider per `providers:` entry, by its `api`."""
+    kinds = {"openai": OpenAICompatibleProvider, "anthropic": AnthropicProvider}
+    return {name: kinds[cfg.api](name, cfg) for name, cfg in config.providers.items()}

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 
 @dataclass(slots=True)
 class UpstreamReply:
-    """A provider's HTTP answer. Non-streamed: `body` holds it all. Streamed: read `chunks()`."""
+    """A provider's HTTP answer. Non-streamed: `body` holds it all. Streamed: read `chunks()`, then
+    `settle()` once the answer is over, or `release()` to abandon it."""
 
     status: int
     headers: dict[str, str]
     body: bytes = b""
     _stream: AsyncIterator[bytes] | None = None
     _release: object = field(default=None, repr=False)
+    _settle: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
 
     def chunks(self) -> AsyncIterator[bytes]:
         assert self._stream is not None
@@ -25,6 +27,14 @@ class UpstreamReply:
         if self._release is not None:
             self._release()  # type: ignore[operator]
             self._release = None
+
+    async def settle(self) -> None:
+        """After the answer's last event: take in what is left of the body, if it comes at once, so the
+        connection can serve another call; then release it (closed if the body has not ended)."""
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            await settle()
+        self.release()
 
 
 class TransportFailure(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import aiohttp
@@ -13,6 +14,10 @@ from service.upstream.base import TransportFailure, UpstreamReply
 FORWARD_HEADERS = ("content-type", "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
                    "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
                    "x-ratelimit-reset-tokens", "openai-processing-ms")
+# After a stream's last event, what is left of the body (its end, a ping) is read for this long at most
+# so the connection goes back to the pool; a server that keeps sending gets its connection closed.
+SETTLE_S = 0.5
+SETTLE_BYTES = 64 * 1024
 
 
 class OpenAICompatibleProvider:
@@ -53,7 +58,8 @@ class OpenAICompatibleProvider:
             raise TransportFailure("connection_error", f"{self.name}: {type(e).__name__}") from e
         reply_headers = {k: v for k in FORWARD_HEADERS if (v := resp.headers.get(k)) is not None}
         if stream and resp.status == 200:
-            return UpstreamReply(resp.status, reply_headers, _stream=_iter(resp, self.name), _release=resp.release)
+            return UpstreamReply(resp.status, reply_headers, _stream=_iter(resp, self.name), _release=resp.release,
+                                 _settle=lambda: _read_rest(resp))
         try:
             data = await resp.read()
         except (TimeoutError, aiohttp.ServerTimeoutError) as e:
@@ -70,6 +76,8 @@ class OpenAICompatibleProvider:
 
 
 async def _iter(resp: aiohttp.ClientResponse, name: str):
+    """The body as it comes. The reader releases the response (`UpstreamReply.settle`/`release`),
+    also when it stops before the body's end."""
     try:
         async for data in resp.content.iter_any():
             yield data
@@ -77,5 +85,13 @@ async def _iter(resp: aiohttp.ClientResponse, name: str):
         raise TransportFailure("timeout", f"{name} stream stalled") from e
     except aiohttp.ClientError as e:
         raise TransportFailure("connection_error", f"{name} stream broke: {type(e).__name__}") from e
-    finally:
-        resp.release()
+
+
+async def _read_rest(resp: aiohttp.ClientResponse) -> None:
+    try:
+        async with asyncio.timeout(SETTLE_S):
+            size = 0
+            while size <= SETTLE_BYTES and (data := await resp.content.readany()):
+                size += len(data)
+    except (TimeoutError, aiohttp.ClientError):
+        pass  # released unfinished: aiohttp closes the connection instead of reusing it

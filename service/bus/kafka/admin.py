@@ -9,40 +9,38 @@ from typing import Any
 
 from kafka import KafkaAdminClient
 from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
+from pydantic import SecretStr, ValidationError
 
-from service.bus.base import TOPICS, Topic
+from service.bus.base import KEYED_TOPICS, TOPICS, Topic
+from service.config import KafkaConfig, KafkaSecurity
 
 log = logging.getLogger("modelcanary.bus.kafka")
-
-
-# Keys accepted in `events.kafka.security`, passed to kafka-python as they are.
-# `<key>_env` names an environment variable that holds the value instead (how secrets are given).
-SECURITY_KEYS = frozenset({
-    "security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
-    "sasl_kerberos_name", "sasl_kerberos_service_name", "sasl_kerberos_domain_name",
-    "ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_crlfile", "ssl_password", "ssl_ciphers",
-    "ssl_check_hostname",
-})
 
 _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 
 
-def client_security(security: dict | None) -> dict[str, Any]:
-    """kafka-python keyword arguments from `events.kafka.security`. Errors name the key, never a value."""
+def client_security(security: KafkaSecurity | None) -> dict[str, Any]:
+    """kafka-python keyword arguments from `events.kafka.security`, `<key>_env` variables read.
+    Errors name the key and the variable, never a value."""
     out: dict[str, Any] = {}
-    for key, value in (security or {}).items():
-        if key.endswith("_env") and key[:-4] in SECURITY_KEYS:
-            resolved = os.environ.get(str(value))
+    if security is None:
+        return out
+    for key in KafkaSecurity.keys():
+        value = getattr(security, key)
+        variable = getattr(security, f"{key}_env")
+        if variable is not None:
+            resolved = os.environ.get(variable)
             if resolved is None:
-                raise ValueError(f"events.kafka.security.{key}: environment variable {value!r} is not set")
-            out[key[:-4]] = resolved
-        elif key in SECURITY_KEYS:
+                raise ValueError(f"events.kafka.security.{key}_env: environment variable {variable!r} is not set")
+            try:
+                value = getattr(KafkaSecurity.model_validate({key: resolved}), key)
+            except ValidationError:
+                raise ValueError(f"events.kafka.security.{key}_env: the value of {variable!r} "
+                                 f"is not a valid {key}") from None
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if value is not None:
             out[key] = value
-        else:
-            raise ValueError(
-                f"events.kafka.security: unknown key {key!r} "
-                f"(accepted: {', '.join(sorted(SECURITY_KEYS))}, each also as <key>_env naming an environment variable)"
-            )
     return out
 
 
@@ -67,13 +65,20 @@ def topic_names(prefix: str) -> dict[Topic, str]:
     return {t: f"{prefix}.{t}" for t in TOPICS}
 
 
-def ensure_topics(admin: KafkaAdminClient, names: dict[Topic, str], partitions: int) -> list[str]:
-    """Create the missing topics (rollouts gets one partition: one ordered history). Returns those created."""
+def topic_settings(topic: Topic, kafka: KafkaConfig) -> dict[str, Any]:
+    """How the service creates a topic: the keyed topics (rollouts, reports, control) get one partition
+    (one ordered history) and are compacted; the event topics get `partitions` and their retention."""
+    if topic in KEYED_TOPICS:
+        return {"num_partitions": 1, "replication_factor": -1, "configs": {"cleanup.policy": "compact"}}
+    hours = getattr(kafka.retention_hours, topic)
+    configs = {"retention.ms": str(int(hours * 3_600_000))} if hours is not None else {}
+    return {"num_partitions": kafka.partitions, "replication_factor": -1, "configs": configs}
+
+
+def ensure_topics(admin: KafkaAdminClient, names: dict[Topic, str], kafka: KafkaConfig) -> list[str]:
+    """Create the missing topics (see topic_settings). Returns those created."""
     existing = set(admin.list_topics())
-    missing = {
-        name: {"num_partitions": 1 if t == "rollouts" else partitions, "replication_factor": -1}
-        for t, name in names.items() if name not in existing
-    }
+    missing = {name: topic_settings(t, kafka) for t, name in names.items() if name not in existing}
     if not missing:
         return []
     result = admin.create_topics(missing, raise_errors=False)

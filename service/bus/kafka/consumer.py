@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future as ConcurrentFuture
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +51,10 @@ class KafkaSubscription:
     bounded well below the interval, come between two polls), and a join that completes between two
     short polls is not lost (kafka-python 3.0 drops such a join and re-joins). The interval is also
     the rebalance timeout a join waits for, which is why it stays small: joins take ~3 s.
-    When the buffer is full the partitions are paused. `group=None`: every partition from the
-    beginning, no group, no commits.
+    When the buffer is full the partitions are paused. `group=None`: every partition, no group, no
+    commits; from the beginning, or, with `latest_of` (keys), first each of those keys' latest record
+    (read back from the end, see `_latest`) and then every new record; `caught_up` is set once those
+    are buffered.
     """
 
     max_poll_records = 50
@@ -61,11 +63,15 @@ class KafkaSubscription:
     heartbeat_interval_ms = 1000
     poll_timeout_ms = 100
     metadata_max_age_ms = 5000
+    assignors: tuple[type, ...] | None = None  # kafka-python's default (eager range, round robin)
 
-    def __init__(self, bus: KafkaBus, topics: list[Topic], group: str | None):
+    def __init__(self, bus: KafkaBus, topics: list[Topic], group: str | None,
+                 latest_of: Collection[str] | None = None):
         self._bus = bus
         self.topics = topics
         self.group = group
+        self.latest_of = frozenset(latest_of) if latest_of is not None else None
+        self.caught_up = threading.Event()
         self._names = {bus.names[t]: t for t in topics}
         self._label = group or "none"
         self._max_buffer = self.max_poll_records * 4
@@ -182,11 +188,15 @@ class KafkaSubscription:
                 continue
             if raw:
                 self._buffer_records(raw)
+            self._after_poll(consumer)
             self._maybe_export_lag(consumer)
         self._run_commands()
         self._drop_consumer()
         for topic in self.topics:
             _set_lag(topic, self._label, id(self), None)
+
+    def _after_poll(self, consumer: KafkaConsumer) -> None:
+        """Called on the consumer thread after every poll (a subclass watches its group here)."""
 
     def _run_commands(self) -> None:
         while True:
@@ -238,7 +248,7 @@ class KafkaSubscription:
         try:
             admin = build_client(KafkaAdminClient, client_id=f"{bus._client_id}-admin", **bus._client_config())
             try:
-                ensure_topics(admin, bus.names, bus.kafka.partitions)
+                ensure_topics(admin, bus.names, bus.kafka)
             finally:
                 admin.close()
             config = dict(
@@ -260,6 +270,8 @@ class KafkaSubscription:
                     heartbeat_interval_ms=self.heartbeat_interval_ms,
                     request_timeout_ms=max(config["request_timeout_ms"], self.session_timeout_ms + 5000),
                 )
+                if self.assignors is not None:
+                    config["partition_assignment_strategy"] = list(self.assignors)
             consumer = build_client(KafkaConsumer, **config)
             if self.group is not None:
                 consumer.subscribe(list(self._names), listener=_Revoked(self))
@@ -300,8 +312,15 @@ class KafkaSubscription:
         with self._lock:
             self._buffer.clear()
         consumer.assign(tps)
-        if tps:
+        if tps and self.latest_of is not None:
+            latest = _latest(consumer, tps, self.latest_of)
+            with self._lock:
+                self._buffer.extend(latest)
+            self._notify()
+        elif tps:
             consumer.seek_to_beginning(*tps)
+        if self.latest_of is not None:
+            self.caught_up.set()
         self.topic_ids = {name: topic_id(consumer, name) for name in self._names}
         self._next_check = time.monotonic() + 1.0
 
@@ -375,6 +394,74 @@ class KafkaSubscription:
         except Exception as e:
             log.warning("kafka commit (%s) failed: %s; those records will be delivered again",
                         self._label, describe(e))
+
+
+LATEST_CHUNK = 200          # records read back at a time when looking for each key's latest
+LATEST_MAX_RECORDS = 5000
+LATEST_STALL_S = 10.0
+
+
+def _latest(consumer: KafkaConsumer, tps: list[TopicPartition], keys: frozenset[str]
+            ) -> list[tuple[TopicPartition, int, Record]]:
+    """Each of `keys`' latest record in every partition, oldest first, leaving each partition's position
+    just past its end (where following goes on).
+
+    A compacted topic holds little more than that anyway, but a broker may not compact (Tansu does
+    not), so the partition is read back from the end a chunk at a time, newest chunk first, until
+    every key was found or the beginning reached: the cost is that of the records written since the
+    oldest of those keys' latest, whatever the topic's length. Only the records kept are decoded."""
+    out: list[tuple[TopicPartition, int, Record]] = []
+    ends = consumer.end_offsets(tps)
+    for tp in tps:
+        consumer.pause(*[t for t in tps if t != tp])
+        consumer.resume(tp)
+        found: dict[str, tuple[int, bytes]] = {}
+        start = max(0, ends[tp] - LATEST_CHUNK)
+        stop: int | None = None  # the tail is read to wherever the partition ends now
+        while True:
+            chunk: dict[str, tuple[int, bytes]] = {}
+            for offset, key, value in _read_range(consumer, tp, start, stop, ends[tp]):
+                if key in keys and key not in found:
+                    chunk[key] = (offset, value)  # a later offset in the chunk wins
+            if stop is None:
+                resume_at = consumer.position(tp)
+            found.update(chunk)
+            if start == 0 or keys <= found.keys():
+                break
+            start, stop = max(0, start - LATEST_CHUNK), start
+        for offset, value in sorted(found.values()):
+            try:
+                out.append((tp, offset, load(json.loads(value))))
+            except Exception:
+                metrics.events_dropped_total.labels(tp.topic, "bad_record").inc()
+                log.warning("skipped an undecodable record at %s[%d]@%d", tp.topic, tp.partition, offset)
+        consumer.seek(tp, resume_at)
+    consumer.resume(*tps)
+    return out
+
+
+def _read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, stop: int | None, end: int):
+    """(offset, key, value) of `tp` from `start` up to `stop`, or (stop=None) until caught up with
+    `end`: Tansu reports one past the first record of the last batch as the end, and a poll not cut
+    short by max_records returns the rest of that batch with it (see replay.read_messages)."""
+    consumer.seek(tp, start)
+    last_progress = time.monotonic()
+    while True:
+        if stop is not None and consumer.position(tp) >= stop:
+            return
+        raw = consumer.poll(timeout_ms=300, max_records=LATEST_MAX_RECORDS)
+        got = 0
+        for message in raw.get(tp, ()):
+            got += 1
+            if stop is not None and message.offset >= stop:
+                return
+            yield message.offset, message.key.decode() if message.key is not None else None, message.value
+        if stop is None and got < LATEST_MAX_RECORDS and consumer.position(tp) >= end:
+            return
+        if got:
+            last_progress = time.monotonic()
+        elif time.monotonic() - last_progress > LATEST_STALL_S:
+            raise TimeoutError(f"reading {tp.topic}[{tp.partition}] back: nothing for {LATEST_STALL_S:.0f} s")
 
 
 class _Revoked(ConsumerRebalanceListener):

@@ -1,12 +1,13 @@
-"""The two places that reach into kafka-python's private attributes, kept apart and checked.
+"""The places that reach into kafka-python's private attributes, kept apart and checked.
 
-Checked against kafka-python 2.2 and 3.0 (pinned `<3.1` in pyproject); tests/test_internals.py
+Checked against kafka-python 2.2 and 3.0.12 (pinned `<3.1` in pyproject); tests/test_internals.py
 fails if these attributes change shape.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from kafka import KafkaConsumer, KafkaProducer
 
@@ -40,3 +41,24 @@ def topic_id(consumer: KafkaConsumer, name: str) -> object | None:
     except Exception:
         return None
 
+
+
+def session_age(consumer: KafkaConsumer) -> float | None:
+    """Seconds since the group coordinator last answered a heartbeat of this member (inf: not yet):
+    past the session timeout the broker may have given its partitions to another. Only an answer
+    counts; kafka-python's own session clock also restarts when it merely finds the coordinator
+    again. None when kafka-python does not show it."""
+    heartbeat = getattr(getattr(consumer, "_coordinator", None), "heartbeat", None)
+    last = getattr(heartbeat, "last_receive", None)
+    return time.monotonic() - last if isinstance(last, float) else None
+
+
+def group_settled(consumer: KafkaConsumer, since: float) -> bool:
+    """The group coordinator answered a heartbeat of this member after `since` (monotonic) and no
+    join is pending: leaving the group now cuts no rebalance short. True when kafka-python does not
+    show it."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    try:
+        return coordinator.heartbeat.last_receive > since and not coordinator.need_rejoin()  # type: ignore[union-attr]
+    except AttributeError:
+        return True

@@ -34,7 +34,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaProducer
@@ -53,6 +54,7 @@ from service.bus.kafka.admin import (
 )
 from service.bus.kafka.consumer import KafkaSubscription
 from service.bus.kafka.internals import force_close
+from service.bus.kafka.leadership import KafkaLeadership
 from service.bus.kafka.replay import replay
 from service.bus.spool import Spool, SpoolBatch
 from service.config import KafkaConfig, SpoolConfig
@@ -60,6 +62,8 @@ from service.records import Record, dump
 
 log = logging.getLogger("modelcanary.bus.kafka")
 
+
+@dataclass(frozen=True)
 class _Pending:
     topic: Topic
     key: str
@@ -178,6 +182,15 @@ class KafkaBus:
 
     def subscribe(self, topics: list[Topic], group: str | None) -> KafkaSubscription:
         return KafkaSubscription(self, list(topics), group)
+
+    def follow(self, topics: list[Topic], keys: Collection[str]) -> KafkaSubscription:
+        """Every partition of keyed topics (rollouts, reports): first each of `keys`' latest record,
+        found reading back from the end whether or not the broker compacts, then every new record."""
+        return KafkaSubscription(self, list(topics), None, latest_of=keys)
+
+    def leadership(self, group: str) -> KafkaLeadership:
+        """Membership of `group` on the control topic: the member holding its partition leads."""
+        return KafkaLeadership(self, group)
 
     async def close(self) -> None:
         """Send what can be sent within `close_timeout_s`; the rest stays in the spool for the next start."""
@@ -365,7 +378,7 @@ class KafkaBus:
         try:
             admin = build_client(KafkaAdminClient, client_id=f"{self._client_id}-admin", **self._client_config())
             try:
-                ensure_topics(admin, self.names, self.kafka.partitions)
+                ensure_topics(admin, self.names, self.kafka)
             finally:
                 admin.close()
             producer = build_client(

@@ -16,6 +16,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from service.bus.base import Topic
 from service.bus.kafka.admin import build_client, client_security, describe
+from service.config import KafkaSecurity
 from service.records import Record, load
 
 log = logging.getLogger("modelcanary.bus.kafka")
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from service.bus.kafka.producer import KafkaBus
 
 
-async def replay(bus: KafkaBus, topics: list[Topic], group: str, since_ts: float, handle: Callable[[Record], object],
+async def replay(bus: KafkaBus, topics: list[Topic], group: str, since_ts: float, handle: Callable[[Record], object],  # noqa: C901 - one hand-off loop between the reader thread and the event loop
                  stop: asyncio.Event | None = None, *, stall_timeout_s: float = 30.0) -> int:
     """Hand `handle` (on the event loop) every record of `topics` that `group` already consumed and
     that was written at or after `since_ts`: in each partition, from the first offset whose
@@ -81,7 +82,7 @@ async def replay(bus: KafkaBus, topics: list[Topic], group: str, since_ts: float
         await asyncio.to_thread(thread.join, 10.0)
     return n
 
-def _read_back(bus: KafkaBus, topics: list[Topic], group: str, since_ts: float, halt: threading.Event,
+def _read_back(bus: KafkaBus, topics: list[Topic], group: str, since_ts: float, halt: threading.Event,  # noqa: C901 - seek, read and stall detection share one consumer's state
                stall_timeout_s: float):
     """replay()'s reader (its own thread and consumer): chunks of records, in each partition's order."""
     consumer = build_client(
@@ -155,7 +156,7 @@ READ_SETTLE_POLLS = 2
 
 
 def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
-                  security: dict | None = None) -> list[Message]:
+                  security: KafkaSecurity | None = None) -> list[Message]:
     """Every message of a topic from the beginning (no group), in partition/offset order.
 
     Reads until caught up with what the topic held when the call started, then polls twice more (up
@@ -204,7 +205,7 @@ def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
         consumer.close(autocommit=False)
 
 
-def read_topic(bootstrap: str, topic: str, timeout_s: float = 10.0, security: dict | None = None) -> list[dict]:
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 10.0, security: KafkaSecurity | None = None) -> list[dict]:
     """The values (record dicts) of a whole topic from the beginning, without a group."""
     return [m.value for m in read_messages(bootstrap, topic, timeout_s, security)]
 

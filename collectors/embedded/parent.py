@@ -1,0 +1,139 @@
+"""The proxy's side of the shadow child (see the package docstring).
+
+On the proxy's event loop only: reading sampled traffic from the bus (as the in-process workers
+did) and a non-blocking put of its JSON on the child's bounded queue. A thread reads what the
+child sends back and hands each record to the loop (`call_soon_threadsafe`) for the bus.
+A child that dies is replaced after a pause (RESTART_S, growing while children keep dying early).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+
+from collectors.embedded import child as child_main
+from collectors.embedded.relay import ChildMetrics, install
+from collectors.worker import GROUP
+from service import metrics
+from service.bus import EventBus
+from service.config import Config
+from service.records import TrafficEvent, load
+from service.upstream.base import Provider
+
+log = logging.getLogger("modelcanary.shadow")
+
+BATCH = 256
+POLL_S = 0.5
+STOP_TIMEOUT_S = 4.0            # the child finishes what is in flight within this, else it is killed
+RESTART_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+HEALTHY_S = 60.0                # a child that lived this long resets the restart pause
+
+
+class ShadowChild:
+    """One child process, its two queues and the thread that reads its results."""
+
+    def __init__(self, config: Config, bus: EventBus, relay: ChildMetrics, loop: asyncio.AbstractEventLoop):
+        ctx = multiprocessing.get_context("spawn")
+        self.traffic = ctx.Queue(config.events.queue_size)
+        self.traffic.cancel_join_thread()  # never wait at exit for a child that does not read
+        self.results = ctx.Queue()
+        self.relay = relay
+        self.started = time.monotonic()
+        self.process = ctx.Process(target=child_main.main, name="modelcanary-shadow", daemon=True,
+                                   args=(config, self.traffic, self.results, os.getpid()))
+        self.process.start()
+        self._reader = threading.Thread(target=self._read, args=(bus, loop), name="shadow-results", daemon=True)
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def offer(self, event: TrafficEvent) -> None:
+        """Hand a sampled request to the child, or drop it (counted) when its queue is full."""
+        try:
+            self.traffic.put_nowait(child_main.encode(event))
+        except queue.Full:
+            metrics.shadow_dropped_total.labels(event.route, "queue_full").inc()
+
+    def _read(self, bus: EventBus, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            try:
+                kind, payload = self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.process.is_alive():
+                    continue
+                break
+            except (EOFError, OSError, ValueError):
+                break
+            if kind == "metrics":
+                self.relay.update(payload)
+                continue
+            try:
+                record = load(json.loads(payload))
+                loop.call_soon_threadsafe(bus.publish, "evaluations", record)
+            except (ValueError, RuntimeError):  # a bad record, or the loop is closed (shutting down)
+                log.exception("a record from the shadow child could not be published")
+        self.relay.child_ended()
+
+    async def stop(self) -> None:
+        """Ask the child to finish (STOP on its queue), then wait for it; kill it if it takes too long."""
+        with contextlib.suppress(queue.Full, ValueError, OSError):
+            self.traffic.put_nowait(child_main.STOP)
+        try:
+            await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
+        finally:
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(1.0)
+            self._reader.join(2 * POLL_S + 1.0)
+            self.traffic.close()
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def run_in_child(config: Config, bus: EventBus, providers: dict[str, Provider], tracing: object | None,
+                       stop: asyncio.Event) -> None:
+    """Memory mode's ShadowRunner: shadow workers in a child process until `stop` is set (the
+    child makes its own providers and tracing from the config)."""
+    if not any(rc.candidate for rc in config.routes.values()):
+        log.info("no route has a candidate; no shadow child")
+        await stop.wait()
+        return
+    relay = install()
+    loop = asyncio.get_running_loop()
+    sub = bus.subscribe(["traffic"], group=GROUP)
+    child: ShadowChild | None = None
+    deaths = 0
+    try:
+        while not stop.is_set():
+            if child is None or not child.alive:
+                if child is not None:
+                    lived = time.monotonic() - child.started
+                    deaths = 0 if lived > HEALTHY_S else deaths + 1
+                    log.warning("the shadow child exited (code %s) after %.0f s; a new one starts in %.0f s",
+                                child.process.exitcode, lived, RESTART_S[min(deaths, len(RESTART_S) - 1)])
+                    await child.stop()
+                    await _pause(stop, RESTART_S[min(deaths, len(RESTART_S) - 1)])
+                    if stop.is_set():
+                        child = None
+                        break
+                child = ShadowChild(config, bus, relay, loop)
+                log.info("shadow workers run in a child process (pid %d)", child.process.pid)
+            for event in await sub.get_batch(BATCH, POLL_S):
+                if isinstance(event, TrafficEvent):
+                    child.offer(event)
+    finally:
+        await sub.close()
+        if child is not None:
+            await child.stop()

@@ -1,0 +1,206 @@
+"""A golden set: one case per line of a JSONL file (README "Before the canary: replay").
+
+A case is a live request with what the stable model answered (`live`), where it came from
+(`request_id`, `route`, `segment`, `config_version`) and, when the application said so, its
+`feedback`. A team curates the file: deletes cases, adds hand-written ones, tags them
+(`tags: [edge]`) and adds `checks` that make a case verifiable:
+
+- `expected`: the expected answer (text, or a JSON value for a JSON request), passed when the
+  answer is at least `min_similarity` similar to it (default: the route's `agree_at`);
+- `json_schema`: the answer's content must be JSON that fits this schema;
+- `tool_call`: the answer must call the tool `name`, with each of `arguments` present and
+  matching (a string is a regular expression for the whole value, anything else must be equal).
+
+`load(path)` validates every line and raises DatasetError with one "line N: field: reason" per
+problem; `write(path, cases)` writes a file that `load` reads back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from service.config import ConfigError, validated
+from service.records import PrimaryResult
+
+SCHEMA = "modelcanary.case/v1"
+MAX_PROBLEMS = 20  # reported per file; the rest are counted
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ToolCallCheck(Strict):
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any] = {}
+
+    @field_validator("arguments")
+    @classmethod
+    def _patterns_compile(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key, pattern in v.items():
+            if isinstance(pattern, str):
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ValueError(f"argument {key!r}: invalid regex {pattern!r}: {e}") from None
+        return v
+
+
+class CaseChecks(Strict):
+    expected: Any = None
+    min_similarity: float | None = Field(None, ge=0.0, le=1.0)
+    json_schema: dict | None = None
+    tool_call: ToolCallCheck | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_valid(cls, v: dict | None) -> dict | None:
+        if v is not None:
+            try:
+                Draft202012Validator.check_schema(v)
+            except SchemaError as e:
+                raise ValueError(f"not a valid JSON schema: {e.message}") from None
+        return v
+
+    @property
+    def kinds(self) -> list[str]:
+        """The checks this case carries, by name."""
+        return [k for k in ("expected", "json_schema", "tool_call") if getattr(self, k) is not None]
+
+
+class Feedback(Strict):
+    success: bool
+    reason: str | None = None
+
+
+class Case(Strict):
+    schema_: Literal["modelcanary.case/v1"] = Field(SCHEMA, alias="schema")
+    request_id: str = Field(min_length=1)
+    ts: float = 0.0
+    route: str
+    segment: str = "chat"
+    fingerprint: str | None = None
+    config_version: str | None = None
+    request: dict
+    live: PrimaryResult | None = None       # the stable model's live answer (none for a hand-written case)
+    feedback: Feedback | None = None
+    checks: CaseChecks | None = None
+    tags: list[str] = []
+
+    @property
+    def check_kinds(self) -> list[str]:
+        return self.checks.kinds if self.checks is not None else []
+
+
+class DatasetError(Exception):
+    """A dataset that can't be used; `problems` are 'line N: field: reason' lines."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+    def explain(self) -> str:
+        shown = self.problems[:MAX_PROBLEMS]
+        more = len(self.problems) - len(shown)
+        return "\n".join([f"error: dataset {self.source} is not valid:", *(f"  {p}" for p in shown),
+                          *([f"  (+{more} more)"] if more > 0 else [])])
+
+
+# Request fields that do not change what is asked: left out of the fingerprint.
+_DELIVERY_FIELDS = ("stream", "stream_options", "user", "metadata", "store")
+
+
+def fingerprint(route: str, request: dict) -> str:
+    """The same question on the same route: a hash of the request without its delivery fields."""
+    body = {k: v for k, v in request.items() if k not in _DELIVERY_FIELDS}
+    text = json.dumps([route, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DatasetError(str(p), ["file not found"]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(str(p), [f"cannot read file: {e}"]) from None
+
+
+def load(path: str | Path) -> list[Case]:
+    """Every case of the file, or DatasetError naming each bad line and field."""
+    p = Path(path)
+    text = _read(p)
+    cases: list[Case] = []
+    problems: list[str] = []
+    first_line: dict[str, int] = {}
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except ValueError as e:
+            problems.append(f"line {n}: not JSON: {e}")
+            continue
+        try:
+            case = validated(Case, data, f"line {n}")
+        except ConfigError as e:
+            problems.extend(f"line {n}: {problem}" for problem in e.problems)
+            continue
+        if case.request_id in first_line:
+            problems.append(f"line {n}: request_id: {case.request_id!r} is already the case on line "
+                            f"{first_line[case.request_id]}")
+            continue
+        first_line[case.request_id] = n
+        if case.fingerprint is None:
+            case.fingerprint = fingerprint(case.route, case.request)
+        cases.append(case)
+    if problems:
+        raise DatasetError(str(p), problems)
+    if not cases:
+        raise DatasetError(str(p), ["no cases (the file is empty)"])
+    return cases
+
+
+def line_of(case: Case) -> str:
+    return json.dumps(case.model_dump(mode="json", by_alias=True, exclude_none=True), ensure_ascii=False,
+                      separators=(",", ":"))
+
+
+def write(path: str | Path, cases: Iterable[Case]) -> int:
+    """Write the cases, one JSON object per line; returns how many."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for case in cases:
+            out.write(line_of(case) + "\n")
+            n += 1
+    return n
+
+
+def stats(cases: list[Case]) -> dict:
+    """Counts per route and segment: cases, cases with checks (and of each kind), with feedback, tags."""
+    routes: dict[str, dict[str, dict]] = {}
+    for case in cases:
+        row = routes.setdefault(case.route, {}).setdefault(case.segment, {
+            "cases": 0, "with_checks": 0, "checks": {}, "feedback": {"success": 0, "failure": 0}, "tags": {}})
+        row["cases"] += 1
+        kinds = case.check_kinds
+        if kinds:
+            row["with_checks"] += 1
+        for kind in kinds:
+            row["checks"][kind] = row["checks"].get(kind, 0) + 1
+        if case.feedback is not None:
+            row["feedback"]["success" if case.feedback.success else "failure"] += 1
+        for tag in case.tags:
+            row["tags"][tag] = row["tags"].get(tag, 0) + 1
+    return {"cases": len(cases), "with_checks": sum(1 for c in cases if c.check_kinds),
+            "routes": {route: dict(sorted(segs.items())) for route, segs in sorted(routes.items())}}

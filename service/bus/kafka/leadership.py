@@ -1,0 +1,129 @@
+"""Leadership through Kafka: the member of a consumer group that holds the one partition of
+`{prefix}.control` leads; the others stand by and get the partition when it leaves or dies.
+
+The group uses the cooperative sticky assignor, so a member that joins or leaves does not take the
+partition away from the one that holds it (a standby starting up never interrupts the leader).
+The holder `owns` the partition until it is revoked or lost (then its term is over), and may act
+(`held`) only while its lease is current too: the group coordinator answered one of its
+heartbeats within `lease_s`, well inside the session timeout after which the broker would give the
+partition to another member (a new holder so starts acting with its first heartbeat, ~1 s after
+its join). A leader cut off from the broker, or whose consumer thread is
+stuck, so stops acting before anybody else can start; the lease also lapses for a moment while a
+rebalance runs (no heartbeats then), which only pauses the holder.
+
+A member leaves (`close`) only once no join is under way: a broker may keep a group rebalancing for
+good when its elected leader leaves in the middle of one (Tansu 0.6 does, new members included).
+
+Each new leader claims the next epoch: it reads the control topic to its end, takes one more than
+the highest epoch written there (or than `floor`), and writes a LeaderRecord before it acts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
+
+from service.bus.kafka.consumer import KafkaSubscription
+from service.bus.kafka.internals import group_settled, session_age
+from service.bus.kafka.replay import read_messages
+from service.records import LeaderRecord
+
+if TYPE_CHECKING:
+    from service.bus.kafka.producer import KafkaBus
+
+log = logging.getLogger("modelcanary.bus.kafka")
+
+
+class KafkaLeadership(KafkaSubscription):
+    # failover after a kill -9: the session timeout, a heartbeat, then a join (~3 s): ~9 s
+    session_timeout_ms = 5000
+    heartbeat_interval_ms = 1000
+    # also the rebalance timeout: how long a join waits for a member that died during a rebalance
+    max_poll_interval_ms = 5000
+    assignors = (CooperativeStickyAssignor,)
+    settle_s = 6.0  # the longest `close` waits for a join under way: a heartbeat, then the join
+
+    def __init__(self, bus: KafkaBus, group: str):
+        super().__init__(bus, ["control"], group)
+        self.lease_s = (self.session_timeout_ms - 2 * self.heartbeat_interval_ms) / 1000
+        self._assigned = False
+        self._revoked = False  # since the last claim
+        self.joined = False    # a member of the group (its first join is complete)
+        self._lease_until = 0.0
+        self._warned = False
+
+    def owned(self) -> bool:
+        """The control partition is this member's, and was not revoked since the last claim."""
+        return self._assigned and not self._revoked
+
+    def held(self) -> bool:
+        """Owned, and the lease is current: this member may act as the leader now."""
+        return self.owned() and self.leased()
+
+    def leased(self) -> bool:
+        """The control partition is this member's and its lease is current: it may `claim`."""
+        return self._assigned and time.monotonic() < self._lease_until
+
+    async def wait_held(self, stop: asyncio.Event, poll_s: float = 0.2) -> bool:
+        """Until this member holds the partition with a current lease, so it may `claim` (True), or
+        `stop` is set (False). Control records are read and dropped meanwhile: `claim` reads the
+        topic itself."""
+        while not stop.is_set():
+            if self.leased():
+                return True
+            await self.get_batch(self.max_poll_records, poll_s)
+        return False
+
+    async def claim(self, instance: str, floor: int = 0, timeout_s: float = 10.0) -> int | None:
+        """The next epoch, written to the control topic and confirmed; None when that fails or the
+        lease ran out meanwhile (the caller waits to lead again)."""
+        bus = self._bus
+        self._revoked = False
+        try:
+            messages = await asyncio.to_thread(read_messages, bus.kafka.bootstrap_servers, bus.names["control"],
+                                               timeout_s, bus.kafka.security)
+        except Exception as e:
+            log.warning("reading %s failed: %s", bus.names["control"], e)
+            return None
+        epochs = [m.value.get("epoch") for m in messages]
+        epoch = max([floor, *(e for e in epochs if isinstance(e, int))]) + 1
+        bus.publish("control", LeaderRecord(instance=instance, epoch=epoch, ts=time.time()))
+        if not await bus.flush(timeout_s) or not self.held():
+            log.warning("could not confirm leadership epoch %d in time; standing by", epoch)
+            return None
+        return epoch
+
+    async def close(self) -> None:
+        """Leave the group, once a heartbeat answered since the call shows no join under way (at most
+        `settle_s` later)."""
+        since = time.monotonic()
+        consumer = self._consumer
+        while (consumer is not None and time.monotonic() < since + self.settle_s
+               and not await self._call(lambda: self._consumer is None or group_settled(self._consumer, since))):
+            await asyncio.sleep(0.1)
+        await super().close()
+
+    def _purge(self, revoked: set[TopicPartition]) -> None:
+        super()._purge(revoked)
+        if revoked:
+            self._revoked = True
+
+    def _after_poll(self, consumer: KafkaConsumer) -> None:
+        now = time.monotonic()
+        self.joined = self.joined or group_settled(consumer, 0.0)
+        self._assigned = bool(consumer.assignment())
+        if not self._assigned:
+            self._lease_until = 0.0
+            return
+        age = session_age(consumer)
+        if age is None:
+            if not self._warned:
+                log.warning("kafka-python does not show the group session; the leader lease follows polls only")
+                self._warned = True
+            age = 0.0
+        self._lease_until = now - age + self.lease_s

@@ -1,0 +1,82 @@
+"""A forecast for each comparison that blocks promotion: how many more samples, and how long (DESIGN §12).
+
+Promotion waits until a comparison's interval end towards "better" (the one-sided confidence
+sequence at the full alpha, mixing scale at the margin) clears the margin. At the current effect
+θ̂ that happens once the variance falls to V*, where the radius equals the distance from θ̂ to
+the bound (`stats.variance_for_radius`). Information (1 / variance) grows with every sample at
+the rate the current window shows (its own estimate's information per candidate sample and per
+second), so `needed_n` = (1/V* − 1/V) / information per sample and `eta_s` = the same over the
+information per second. When θ̂ itself is on the wrong side of the margin no amount of data shows
+non-inferiority at that effect: `needed_n` is None, and the user's choices are a wider margin or
+a better candidate. The forecast assumes the effect stays where it is; the estimate moves as data
+come in, so the forecast does too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.judge import stats
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    needed_n: int | None     # more candidate observations (canary and shadow); None: not at this effect
+    eta_s: float | None      # how long at the current traffic; None when unknown or not reachable
+
+
+def forecast(effect: np.ndarray, var: np.ndarray, bound: np.ndarray, above: np.ndarray, alpha_within: float,
+             scale: np.ndarray, info_now: np.ndarray, n_now: np.ndarray, age_s: float,
+             n_total: np.ndarray) -> list[Forecast]:
+    """Per row: the forecast from the estimate (effect, var), its bound and side, the within-side
+    level and mixing scale, and the current window's information and candidate count over `age_s`."""
+    distance = np.where(above, bound - effect, effect - bound)
+    v_star = stats.variance_for_radius(distance, stats.one_sided(alpha_within), scale)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        more = np.maximum(1.0 / v_star - 1.0 / var, 0.0)
+        per_sample = np.where(n_now > 0, info_now / n_now, (1.0 / var) / n_total)
+        needed = more / per_sample
+        eta = np.where((n_now > 0) & (age_s > 0), more / (info_now / age_s), np.nan)
+    out = []
+    for d, n, e in zip(distance, needed, eta):
+        if not (np.isfinite(d) and d > 0 and np.isfinite(n)):
+            out.append(Forecast(None, None))
+        else:
+            out.append(Forecast(int(math.ceil(n)), float(e) if np.isfinite(e) else None))
+    return out
+
+
+def count_text(n: int) -> str:
+    """11234 → '11k', 1234 → '1.2k', 850 → '850', 1.25e6 → '1.2M'."""
+    for div, suffix in ((1e6, "M"), (1e3, "k")):
+        if n >= div:
+            x = n / div
+            return f"{x:.1f}{suffix}" if x < 10 else f"{x:.0f}{suffix}"
+    return f"{n}"
+
+
+def duration_text(s: float) -> str:
+    """'40 s', '25 min', '1 h 50 min', '3 d 4 h'."""
+    if s < 90:
+        return f"{max(s, 1):.0f} s"
+    m = round(s / 60)
+    if m < 90:
+        return f"{m} min"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h} h {m} min" if m else f"{h} h"
+    d, h = divmod(h, 24)
+    return f"{d} d {h} h" if h else f"{d} d"
+
+
+def describe(where: str, label: str, f: Forecast, effect_text: str, margin_text: str) -> str:
+    """'segment tools: completion rate non-inferiority needs ~11k more canary samples (~1 h 50 min at
+    current traffic)'."""
+    if f.needed_n is None:
+        return (f"{where}: {label} non-inferiority cannot be shown at the current effect ({effect_text}, "
+                f"margin {margin_text}): widen the margin or fix the candidate")
+    when = f" (~{duration_text(f.eta_s)} at current traffic)" if f.eta_s is not None else ""
+    return f"{where}: {label} non-inferiority needs ~{count_text(f.needed_n)} more canary samples{when}"

@@ -1,0 +1,187 @@
+"""`POST /v1/responses` and `POST /v1/messages`: the chat hot path's steps (parse once, pick a model,
+forward bytes, classify, hand the rest to the Recorder) with an ApiFormat's rules, on the Proxy's
+shared machinery (`Proxy.forward` / `respond`, `StreamRelay`): client keys, routing and stickiness,
+client-retry detection, the retry budget, in-flight accounting, role headers and the Recorder.
+
+Stateful follow-ups (Responses API): a request naming `previous_response_id` goes to the model that
+stored that response (ResponseOwners), or gets a 409 naming the field when no replica remembers it;
+one naming a `conversation` goes to the route's stable model, where `POST /v1/conversations`
+(passed through) created it. Such requests are never shadowed (`reason=stateful`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from functools import partial
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from service.errors import openai_error
+from service.proxy.chat import BadRequest, Proxy, _header_map, _json_or_none
+from service.proxy.formats import ApiFormat
+from service.proxy.outcome import COMPLETED, Verdict, failed
+from service.proxy.owners import ResponseOwners
+from service.proxy.recorder import Call
+from service.proxy.routing import pick
+from service.proxy.segments import classify_segment
+from service.proxy.streaming import SSE_HEADERS, StreamRelay
+from service.upstream.base import UpstreamReply
+
+FORWARDED_REQUEST_HEADERS = ("anthropic-version", "anthropic-beta")
+ENDPOINT_OF_API = {"openai": "POST /v1/chat/completions or POST /v1/responses", "anthropic": "POST /v1/messages"}
+
+
+class FormatEndpoint:
+    def __init__(self, proxy: Proxy, fmt: ApiFormat, owners: ResponseOwners, owner_wait_s: float = 0.0):
+        self.proxy = proxy
+        self.fmt = fmt
+        self.owners = owners
+        self.owner_wait_s = owner_wait_s
+
+    async def __call__(self, request: Request) -> Response:  # noqa: C901 - the request's path in order, like chat(); one function on the hot path
+        proxy, fmt = self.proxy, self.fmt
+        started = time.perf_counter()
+        request_id = os.urandom(12).hex()
+        if proxy.draining:
+            return openai_error(503, "the proxy is shutting down; retry on another replica", code="draining")
+        headers = _header_map(request.scope)
+        if "authorization" not in headers and "x-api-key" in headers:  # how Anthropic clients send their key
+            headers["authorization"] = "Bearer " + headers["x-api-key"]
+        try:
+            raw = await proxy.read_body(request)
+            body = proxy.parse_json(raw)
+            name, route = proxy.resolve(body.get("model"), headers)
+            problem = fmt.check(body)
+            if problem is not None:
+                raise BadRequest(400, problem[1], param=problem[0])
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool) and stream is not None:
+                raise BadRequest(400, f"field 'stream' must be a boolean, got {json.dumps(stream)[:40]}", param="stream")
+            session_key = headers.get("x-session-id") or (body.get("user") if isinstance(body.get("user"), str)
+                                                           else None)
+            stateful = fmt.stateful(body)
+            view = fmt.view(body)
+            segment = classify_segment(view, headers.get("x-task-type"),
+                                       proxy.config.routes[route].task_types if route is not None else ())
+            model_key, role = await self._pick(name, route, body, session_key, stateful, segment)
+            api = proxy.config.providers[proxy.config.models[model_key].provider].api
+            if api != fmt.provider_api:
+                raise BadRequest(400, f"model '{name}' is served by an api: {api} provider; send it to "
+                                 f"{ENDPOINT_OF_API[api]} (the proxy does not translate between formats)",
+                                 param="model")
+        except BadRequest as e:
+            return e.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        if route is None:
+            route = name
+        call = Call(request_id=request_id, route=route, model_key=model_key, role=role, segment=segment,
+                    started=started, request=body, session_key=session_key, stream=bool(stream),
+                    no_shadow=headers.get("x-modelcanary-no-shadow") == "1",
+                    traceparent=headers.get("traceparent"), stateful=stateful is not None)
+        call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"),
+                                                   f"{headers.get('authorization', '')}|{session_key or ''}", raw)
+        model = proxy.config.models[model_key]
+        provider = proxy.providers[model.provider]
+        body["model"] = model.name
+        out = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        body["model"] = name
+        up_headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"}
+        up_headers.update((k, headers[k]) for k in FORWARDED_REQUEST_HEADERS if k in headers)
+        auth = provider.auth_header(proxy._client_auth(headers))
+        if auth:
+            up_headers["Authorization"] = auth
+        if proxy.tracing is not None:
+            call.span = proxy.tracing.start_call(route=route, role=role, request_model=model.name,  # type: ignore[attr-defined]
+                                                 provider=model.provider, traceparent=call.traceparent,
+                                                 stream=call.stream)
+            up_headers.update(call.span.upstream_headers())  # type: ignore[union-attr]
+        elif call.traceparent:
+            up_headers["traceparent"] = call.traceparent
+
+        proxy._start(call)
+        sent = await proxy.forward(call, provider, fmt.path, out, up_headers,
+                                   deadline_s=proxy.config.providers[model.provider].timeout_s)
+        if isinstance(sent, Response):
+            return sent
+        if call.stream and sent.status == 200:
+            relay = StreamRelay(call, sent, partial(self._classify_stream, call, view), proxy._done,
+                                is_over=self._is_over, has_output=self._has_output, error_event=fmt.stream_error)
+            return relay.response(proxy._headers(call) | SSE_HEADERS)
+        return proxy.respond(request, call, self._plain(call, sent, view))
+
+    async def _pick(self, name: str, route: str | None, body: dict, session_key: str | None,
+                    stateful: str | None, segment: str) -> tuple[str, str]:
+        """(model key, role): by the split, unless the request refers to state one model holds."""
+        if route is None:
+            return name, "stable"
+        rc = self.proxy.config.routes[route]
+        if stateful is None or rc.candidate is None:
+            return pick(route, self.proxy.book.routing[route], session_key, segment)
+        if stateful == "conversation":
+            return rc.stable, "stable"
+        response_id = body["previous_response_id"]
+        owner = await self.owners.wait(response_id, self.owner_wait_s)
+        if owner is None or owner not in self.proxy.config.models:
+            raise BadRequest(409, f"previous_response_id '{response_id[:100]}' was not answered through this "
+                             f"proxy lately, so which of route '{route}''s models stores it is unknown; send the "
+                             "conversation in 'input' instead", param="previous_response_id",
+                             code="previous_response_unknown")
+        return owner, "stable" if owner == rc.stable else "canary"
+
+    def _plain(self, call: Call, reply: UpstreamReply, view: dict) -> Response:
+        proxy = self.proxy
+        headers = proxy._headers(call)
+        if "retry-after" in reply.headers:
+            headers["retry-after"] = reply.headers["retry-after"]
+        parsed = _json_or_none(reply.body)
+        if 200 <= reply.status < 300:
+            if parsed is None:
+                call.verdict = failed("bad_response", "malformed JSON from upstream")
+                call.status = 502
+                return openai_error(502, "upstream returned a malformed response", code="bad_response", headers=headers)
+            call.verdict = self._answered(call, parsed, view)
+            if call.verdict.cause == "bad_response":
+                call.status = 502
+                return openai_error(502, f"upstream answer is not a {self.fmt.name} response: {call.verdict.detail}",
+                                    code="bad_response", headers=headers)
+            return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
+        call.verdict = failed(self.fmt.error_cause(reply.status, parsed))
+        if parsed is not None and isinstance(parsed.get("error"), dict):  # the upstream's own error, in its shape
+            return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
+        return openai_error(reply.status, f"upstream answered HTTP {reply.status}", code=call.verdict.cause,
+                            headers=headers)
+
+    def _answered(self, call: Call, response: dict, view: dict) -> Verdict:
+        """Classify an answer and note its usage; a stored answer's id is remembered right away, before
+        the client can refer to it."""
+        fmt = self.fmt
+        call.response = response
+        call.usage = fmt.usage(view, response)
+        response_id = fmt.response_id(response)
+        if response_id is not None:
+            call.response_id = response_id
+            self.owners.remember(response_id, call.model_key)
+        if call.span is not None:
+            chat = fmt.chat_view(response) or {}
+            call.finish_reasons = [c["finish_reason"] for c in chat.get("choices") or () if c.get("finish_reason")]
+        return fmt.classify(view, response, self.proxy._checks(call))
+
+    def _has_output(self, events: bytes) -> bool:
+        """Whether events carry output (the first one is the time to first token)."""
+        return any(m in events for m in self.fmt.first_token)
+
+    def _is_over(self, events: bytes) -> bool:
+        """Whether events hold the stream's terminal event: the answer is whole, whatever follows."""
+        return any(m in events for m in self.fmt.end_of_stream)
+
+    def _classify_stream(self, call: Call, view: dict, raw: bytes, clipped: bool) -> Verdict:
+        result = self.fmt.reassemble(raw)
+        if result.response is not None and result.ended:
+            return self._answered(call, result.response, view)
+        if clipped:  # longer than we keep: judged by transport only
+            return COMPLETED
+        return failed(result.cause, result.problem)

@@ -1,0 +1,164 @@
+"""The API format extension point: how one wire format (Chat Completions, Responses, Anthropic
+Messages) is read, classified and replayed. One Protocol, one file per format beside it.
+
+Every format maps its request onto a *view* shaped like a chat request (`messages`, `tools` with
+`function.parameters`, `response_format`, `max_tokens`), so that segments (`classify_segment`) and
+the verifiers are the same code for every format, and its answer onto a *chat view* shaped like a
+chat completion, which the shadow evaluators read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from service.config import Checks
+from service.proxy.outcome import Verdict
+from service.proxy.segments import estimate_tokens, message_chars
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    """Tokens of one answer. `input` excludes those read from or written to a prompt cache."""
+
+    input: int
+    output: int
+    cache_read: int = 0
+    cache_write: int = 0
+
+    @property
+    def total_input(self) -> int:
+        return self.input + self.cache_read + self.cache_write
+
+
+@dataclass(slots=True)
+class Reassembled:
+    """A streamed answer put back together. `response` is shaped like the non-streamed body;
+    `ended`: the format's end-of-stream event was seen; `problem`: why it can't be read, with its
+    cause (an upstream error event names one)."""
+
+    response: dict | None
+    ended: bool
+    problem: str | None = None
+    cause: str = "bad_response"
+
+
+class ApiFormat(Protocol):
+    name: str                           # chat | responses | messages
+    path: str                           # the upstream path under the provider's base_url
+    provider_api: str                   # the provider `api` that speaks it: openai | anthropic
+    first_token: tuple[bytes, ...]      # bytes that mark the event carrying the first token
+    end_of_stream: tuple[bytes, ...]    # bytes that mark the stream's terminal event
+
+    def check(self, body: dict) -> tuple[str, str] | None:
+        """(field, problem) when the request can't be served as this format, else None."""
+
+    def view(self, body: dict) -> dict:
+        """The request as a chat-shaped view (segments, verifiers, token estimates)."""
+
+    def stateful(self, body: dict) -> str | None:
+        """The field that makes this request depend on state the upstream keeps, or None."""
+
+    def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
+        """Verdict on a 2xx answer (streamed answers reassembled first)."""
+
+    def error_cause(self, status: int, body: dict | None) -> str:
+        """Cause of a non-2xx upstream answer."""
+
+    def usage(self, view: dict, response: dict | None) -> Usage:
+        """Tokens from the answer's usage, else estimated from the text."""
+
+    def reassemble(self, raw: bytes) -> Reassembled: ...
+
+    def stream_error(self, status: int, message: str, code: str) -> bytes:
+        """An SSE event that tells this format's clients the stream failed."""
+
+    def shadow_body(self, request: dict, upstream_model: str) -> dict:
+        """The live request for another model: its upstream name, never streamed, nothing stored."""
+
+    def chat_view(self, response: dict | None) -> dict | None:
+        """The answer shaped like a chat completion (what the evaluators read), None if unreadable."""
+
+    def response_id(self, response: dict | None) -> str | None:
+        """The id the upstream stored the answer under, for follow-ups that refer to it."""
+
+
+# ---- helpers the formats share -----------------------------------------------------------------
+
+
+def sse_events(raw: bytes) -> Iterator[tuple[str | None, bytes]]:
+    """(event name, data) for each SSE event in `raw`; multi-line data joined with newlines."""
+    name: str | None = None
+    data: list[bytes] = []
+    for line in raw.replace(b"\r\n", b"\n").split(b"\n"):
+        if not line:
+            if data:
+                yield name, b"\n".join(data)
+            name, data = None, []
+        elif line.startswith(b"data:"):
+            data.append(line[5:].strip())
+        elif line.startswith(b"event:"):
+            name = line[6:].strip().decode("utf-8", "replace")
+    if data:
+        yield name, b"\n".join(data)
+
+
+def sse_json(data: bytes) -> dict | None:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def named_event(name: str, payload: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def function_tool(name: object, parameters: object) -> dict:
+    """A tool of the chat view."""
+    return {"type": "function", "function": {"name": name, "parameters": parameters if isinstance(parameters, dict)
+                                             else None}}
+
+
+def json_response_format(kind: object, schema: object) -> dict | None:
+    """The chat view's `response_format` for a JSON request (None for plain text)."""
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {"schema": schema} if isinstance(schema, dict) else {}}
+    return None
+
+
+def estimated_usage(view: dict, output_chars: int) -> Usage:
+    messages = view.get("messages")
+    return Usage(estimate_tokens(message_chars(messages)) if isinstance(messages, list) else 0,
+                 estimate_tokens(output_chars))
+
+
+def chat_output_chars(chat: dict | None) -> int:
+    """Characters of text and tool arguments in a chat view's first choice."""
+    try:
+        message = chat["choices"][0]["message"]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        return 0
+    chars = len(message.get("content") or "")
+    for tc in message.get("tool_calls") or ():
+        chars += len((tc.get("function") or {}).get("arguments") or "")
+    return chars
+
+
+def token_count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def chat_completion(rid: object, model: object, content: str | None, refusal: str | None, tool_calls: list[dict],
+                    finish: str) -> dict:
+    """A chat view of one answer."""
+    message: dict = {"role": "assistant", "content": content, "refusal": refusal}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"id": rid, "object": "chat.completion", "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}]}

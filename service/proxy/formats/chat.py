@@ -1,0 +1,65 @@
+"""OpenAI Chat Completions (`POST /v1/chat/completions`). The live hot path is `service.proxy.chat`;
+this wraps the same functions for the shadow workers and for code that handles every format."""
+
+from __future__ import annotations
+
+from service.config import Checks
+from service.errors import error_body
+from service.proxy.formats.base import Reassembled, Usage, chat_output_chars, estimated_usage
+from service.proxy.outcome import Verdict, classify_chat
+from service.proxy.sse import reassemble
+from service.upstream.errors import error_cause
+
+STREAM_KEYS = ("stream", "stream_options")
+
+
+class ChatFormat:
+    name = "chat"
+    path = "/chat/completions"
+    provider_api = "openai"
+    first_token: tuple[bytes, ...] = ()  # the first chunk
+    end_of_stream = (b"data: [DONE]",)
+
+    def check(self, body: dict) -> tuple[str, str] | None:
+        if not isinstance(body.get("messages"), list):
+            return "messages", "field 'messages' is required and must be an array"
+        return None
+
+    def view(self, body: dict) -> dict:
+        return body
+
+    def stateful(self, body: dict) -> str | None:
+        return None
+
+    def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
+        return classify_chat(view, response, checks)
+
+    def error_cause(self, status: int, body: dict | None) -> str:
+        return error_cause(status, body)
+
+    def usage(self, view: dict, response: dict | None) -> Usage:
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            return Usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0)
+        if response is None:
+            return Usage(0, 0)
+        return estimated_usage(view, chat_output_chars(response))
+
+    def reassemble(self, raw: bytes) -> Reassembled:
+        response, saw_done, problem = reassemble(raw)
+        finished = response is not None and response["choices"][0].get("finish_reason") is not None
+        return Reassembled(response, saw_done or finished, problem)
+
+    def stream_error(self, status: int, message: str, code: str) -> bytes:
+        return b"data: " + error_body(status, message, code) + b"\n\n"
+
+    def shadow_body(self, request: dict, upstream_model: str) -> dict:
+        body = {k: v for k, v in request.items() if k not in STREAM_KEYS}
+        body["model"] = upstream_model
+        return body
+
+    def chat_view(self, response: dict | None) -> dict | None:
+        return response if isinstance(response, dict) else None
+
+    def response_id(self, response: dict | None) -> str | None:
+        return None  # chat completions are not referred to by later requests

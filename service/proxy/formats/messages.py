@@ -1,0 +1,212 @@
+"""Anthropic Messages API (`POST /v1/messages`), for providers with `api: anthropic`.
+
+Outcomes: `stop_reason` `max_tokens` is the `max_tokens` cause (blame client): `max_tokens` is
+required in this API, so an answer that stops there reached the client's own cap;
+`model_context_window_exceeded` is `truncated`; `refusal` is `refusal`; a `tool_use` whose input
+does not fit the tool's `input_schema` (or, streamed, is not JSON) is `invalid_tool_call`. Errors
+map by their `error.type`; `overloaded_error` (HTTP 529) is `provider_5xx`, the provider being out
+of capacity for everyone, which is not this client's rate limit. Usage records
+`cache_read_input_tokens` and `cache_creation_input_tokens` as the cache_read / cache_write token
+types. TTFT is the first text or tool-input delta; a stream ends at `message_stop`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from service.config import Checks
+from service.proxy.formats.base import (
+    Reassembled,
+    Usage,
+    chat_completion,
+    chat_output_chars,
+    estimated_usage,
+    function_tool,
+    json_response_format,
+    named_event,
+    sse_events,
+    sse_json,
+    token_count,
+)
+from service.proxy.outcome import Verdict, classify_chat, failed
+from service.upstream.errors import error_cause
+
+# `error.type` -> cause (DESIGN §6)
+ERROR_TYPES = {"overloaded_error": "provider_5xx", "api_error": "provider_5xx", "rate_limit_error": "rate_limited",
+               "billing_error": "quota_exceeded", "authentication_error": "auth_error",
+               "permission_error": "auth_error", "timeout_error": "timeout", "not_found_error": "bad_request",
+               "request_too_large": "bad_request", "invalid_request_error": "bad_request"}
+FINISH = {"tool_use": "tool_calls", "max_tokens": "length", "model_context_window_exceeded": "length"}
+
+
+def _blocks_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(b.get("text") or "" for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
+    return ""
+
+
+def _view_messages(message: dict) -> list[dict]:
+    """One Messages-API message as chat view messages: tool results become `tool` messages."""
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(content, list):
+        return [{"role": role, "content": content}]
+    blocks = [b for b in content if isinstance(b, dict)]
+    results = [b for b in blocks if b.get("type") == "tool_result"]
+    if results and len(results) == len(blocks):
+        return [{"role": "tool", "content": _blocks_text(b.get("content"))} for b in results]
+    out: dict = {"role": role, "content": [b for b in blocks if b.get("type") == "text"]}
+    calls = [{"id": b.get("id"), "type": "function",
+              "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input"))}}
+             for b in blocks if b.get("type") == "tool_use"]
+    if calls:
+        out["tool_calls"] = calls
+    return [out]
+
+
+class MessagesFormat:
+    name = "messages"
+    path = "/messages"
+    provider_api = "anthropic"
+    first_token = (b'"text_delta"', b'"input_json_delta"')
+    end_of_stream = (b'"message_stop"',)
+
+    def check(self, body: dict) -> tuple[str, str] | None:
+        if not isinstance(body.get("messages"), list):
+            return "messages", "field 'messages' is required and must be an array"
+        cap = body.get("max_tokens")
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+            return "max_tokens", "field 'max_tokens' is required and must be an integer >= 1"
+        return None
+
+    def view(self, body: dict) -> dict:
+        messages: list[dict] = []
+        system = body.get("system")
+        if system:
+            messages.append({"role": "system", "content": system})
+        for m in body.get("messages") or ():
+            if isinstance(m, dict):
+                messages.extend(_view_messages(m))
+        view: dict = {"messages": messages, "max_tokens": body.get("max_tokens")}
+        tools = [function_tool(t.get("name"), t.get("input_schema")) for t in body.get("tools") or ()
+                 if isinstance(t, dict) and "input_schema" in t]
+        if tools:
+            view["tools"] = tools
+        config = body.get("output_config")
+        fmt = body.get("output_format") or (config.get("format") if isinstance(config, dict) else None)
+        if isinstance(fmt, dict) and (json_format := json_response_format(fmt.get("type"), fmt.get("schema"))):
+            view["response_format"] = json_format
+        return view
+
+    def stateful(self, body: dict) -> str | None:
+        return None  # every request carries its whole conversation
+
+    def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
+        if not isinstance(response.get("content"), list):
+            return failed("bad_response", "no content in the message")
+        stop = response.get("stop_reason")
+        if stop == "refusal":
+            return failed("refusal", _blocks_text(response["content"])[:200] or None)
+        if stop == "max_tokens":
+            return failed("max_tokens")
+        if stop == "model_context_window_exceeded":
+            return failed("truncated", "the model's context window was exceeded")
+        chat = self.chat_view(response)
+        assert chat is not None  # content is a list
+        return classify_chat(view, chat, checks)
+
+    def error_cause(self, status: int, body: dict | None) -> str:
+        err = body.get("error") if isinstance(body, dict) else None
+        kind = err.get("type") if isinstance(err, dict) else None
+        if status == 529:
+            return "provider_5xx"
+        if kind == "invalid_request_error" and "prompt is too long" in str(err.get("message") or "").lower():  # type: ignore[union-attr]
+            return "context_length_exceeded"
+        return ERROR_TYPES.get(kind) or error_cause(status, body)  # type: ignore[arg-type]
+
+    def usage(self, view: dict, response: dict | None) -> Usage:
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
+            return Usage(token_count(usage["input_tokens"]), token_count(usage.get("output_tokens")),
+                         cache_read=token_count(usage.get("cache_read_input_tokens")),
+                         cache_write=token_count(usage.get("cache_creation_input_tokens")))
+        if response is None:
+            return Usage(0, 0)
+        return estimated_usage(view, chat_output_chars(self.chat_view(response)))
+
+    def reassemble(self, raw: bytes) -> Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per event type
+        message: dict | None = None
+        blocks: dict[int, dict] = {}
+        tool_json: dict[int, list[str]] = {}
+        ended = False
+        for name, data in sse_events(raw):
+            event = sse_json(data)
+            if event is None:
+                return Reassembled(None, False, "malformed SSE data")
+            kind = event.get("type") or name
+            if kind == "error":
+                err = event.get("error") if isinstance(event.get("error"), dict) else {}
+                return Reassembled(None, False, str(err.get("message") or "error event")[:200],
+                                   self.error_cause(500, event))
+            index = event.get("index") if isinstance(event.get("index"), int) else 0
+            if kind == "message_start" and isinstance(event.get("message"), dict):
+                message = dict(event["message"])
+                message["usage"] = dict(message.get("usage") or {})
+            elif kind == "content_block_start" and isinstance(event.get("content_block"), dict):
+                blocks[index] = dict(event["content_block"])
+            elif kind == "content_block_delta" and isinstance(event.get("delta"), dict):
+                delta = event["delta"]
+                block = blocks.setdefault(index, {"type": "text", "text": ""})
+                if delta.get("type") == "text_delta":
+                    block["text"] = (block.get("text") or "") + str(delta.get("text") or "")
+                elif delta.get("type") == "input_json_delta":
+                    tool_json.setdefault(index, []).append(str(delta.get("partial_json") or ""))
+                elif delta.get("type") == "thinking_delta":
+                    block["thinking"] = (block.get("thinking") or "") + str(delta.get("thinking") or "")
+            elif kind == "message_delta" and message is not None:
+                delta = event.get("delta") if isinstance(event.get("delta"), dict) else {}
+                message.update({k: v for k, v in delta.items() if k in ("stop_reason", "stop_sequence")})
+                if isinstance(event.get("usage"), dict):
+                    message["usage"].update({k: v for k, v in event["usage"].items() if v is not None})
+            elif kind == "message_stop":
+                ended = True
+        if message is None:
+            return Reassembled(None, ended, "no message_start in the stream")
+        for index, parts in tool_json.items():
+            text = "".join(parts)
+            try:
+                blocks[index]["input"] = json.loads(text) if text else {}
+            except ValueError:
+                blocks[index]["input"] = text  # not JSON: kept as the model wrote it
+        message["content"] = [blocks[i] for i in sorted(blocks)]
+        if not ended:
+            return Reassembled(message, False, "stream ended before message_stop")
+        return Reassembled(message, True)
+
+    def stream_error(self, status: int, message: str, code: str) -> bytes:
+        kind = "timeout_error" if code == "timeout" else "overloaded_error" if status == 503 else "api_error"
+        return named_event("error", {"type": "error", "error": {"type": kind, "message": message}})
+
+    def shadow_body(self, request: dict, upstream_model: str) -> dict:
+        body = {k: v for k, v in request.items() if k != "stream"}
+        body["model"] = upstream_model
+        return body
+
+    def chat_view(self, response: dict | None) -> dict | None:
+        content = response.get("content") if isinstance(response, dict) else None
+        if not isinstance(content, list):
+            return None
+        text = _blocks_text(content)
+        calls = [{"id": b.get("id"), "type": "function",
+                  "function": {"name": b.get("name"),
+                               "arguments": b["input"] if isinstance(b.get("input"), str) else json.dumps(b.get("input"))}}
+                 for b in content if isinstance(b, dict) and b.get("type") == "tool_use"]
+        stop = response.get("stop_reason")  # type: ignore[union-attr]
+        if stop == "refusal":
+            return chat_completion(response.get("id"), response.get("model"), None, text or "refused", [], "stop")  # type: ignore[union-attr]
+        return chat_completion(response.get("id"), response.get("model"), text or None, None, calls,  # type: ignore[union-attr]
+                               FINISH.get(stop or "") or ("tool_calls" if calls else "stop"))
+
+    def response_id(self, response: dict | None) -> str | None:
+        return None  # the Messages API keeps no state between requests

@@ -1,0 +1,213 @@
+"""OpenAI Responses API (`POST /v1/responses`).
+
+Outcomes: `status` `failed` takes its cause from `error.code`; `incomplete` from
+`incomplete_details.reason` (`max_output_tokens` is the client's `max_tokens` cause when the request
+set `max_output_tokens`, else `truncated`; `content_filter` is `content_filtered`); a completed
+answer is checked like a chat answer (refusal parts, function-call arguments against the function
+tools, JSON and its schema for `text.format`). TTFT is the first output delta (text, refusal or
+function arguments); a stream ends at `response.completed`, `response.incomplete` or `response.failed`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from service.config import Checks
+from service.errors import error_body
+from service.proxy.formats.base import (
+    Reassembled,
+    Usage,
+    chat_completion,
+    chat_output_chars,
+    estimated_usage,
+    function_tool,
+    json_response_format,
+    sse_events,
+    sse_json,
+    token_count,
+)
+from service.proxy.outcome import Verdict, classify_chat, failed
+from service.upstream.errors import error_cause
+
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+# kept from the live request in a shadow call: never streamed, never stored, no upstream state
+SHADOW_DROPPED = ("stream", "stream_options", "previous_response_id", "conversation", "background")
+
+# `error.code` of a failed response (or a stream's `error` event) -> cause
+FAILED_CODES = {"rate_limit_exceeded": "rate_limited", "server_error": "provider_5xx",
+                "vector_store_timeout": "timeout", "context_length_exceeded": "context_length_exceeded",
+                "insufficient_quota": "quota_exceeded"}
+
+
+def failed_cause(code: object) -> str:
+    if isinstance(code, str):
+        if code in FAILED_CODES:
+            return FAILED_CODES[code]
+        if code.startswith("invalid_") or code.endswith("_not_found"):
+            return "bad_request"
+    return "provider_5xx"
+
+
+def _item_message(item: dict) -> dict | None:
+    """An input item as a chat view message."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        return {"role": item.get("role"), "content": item.get("content")}
+    if kind == "function_call":
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": item.get("call_id"), "type": "function",
+             "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]}
+    if kind == "function_call_output":
+        output = item.get("output")
+        return {"role": "tool", "content": output if isinstance(output, (str, list)) else None}
+    return None
+
+
+class ResponsesFormat:
+    name = "responses"
+    path = "/responses"
+    provider_api = "openai"
+    first_token = (b'"response.output_text.delta"', b'"response.refusal.delta"',
+                   b'"response.function_call_arguments.delta"')
+    end_of_stream = tuple(f'"{t}"'.encode() for t in TERMINAL)
+
+    def check(self, body: dict) -> tuple[str, str] | None:
+        inp = body.get("input")
+        if inp is None and not body.get("prompt"):
+            return "input", "field 'input' is required: a string or an array of input items"
+        if inp is not None and not isinstance(inp, (str, list)):
+            return "input", "field 'input' must be a string or an array of input items"
+        previous = body.get("previous_response_id")
+        if previous is not None and (not isinstance(previous, str) or not previous):
+            return "previous_response_id", "field 'previous_response_id' must be a response id string"
+        return None
+
+    def view(self, body: dict) -> dict:
+        messages: list[dict] = []
+        instructions = body.get("instructions")
+        if isinstance(instructions, str) and instructions:
+            messages.append({"role": "system", "content": instructions})
+        inp = body.get("input")
+        if isinstance(inp, str):
+            messages.append({"role": "user", "content": inp})
+        elif isinstance(inp, list):
+            messages.extend(m for item in inp if isinstance(item, dict) and (m := _item_message(item)) is not None)
+        view: dict = {"messages": messages}
+        tools = [function_tool(t.get("name"), t.get("parameters")) for t in body.get("tools") or ()
+                 if isinstance(t, dict) and t.get("type") == "function"]
+        if tools:
+            view["tools"] = tools
+        text = body.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+        if isinstance(fmt, dict) and (json_format := json_response_format(fmt.get("type"), fmt.get("schema"))):
+            view["response_format"] = json_format
+        if isinstance(body.get("max_output_tokens"), int):
+            view["max_tokens"] = body["max_output_tokens"]
+        return view
+
+    def stateful(self, body: dict) -> str | None:
+        if body.get("previous_response_id"):
+            return "previous_response_id"
+        if body.get("conversation"):
+            return "conversation"
+        return None
+
+    def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
+        if not isinstance(response.get("output"), list):
+            return failed("bad_response", "no output in the response")
+        status = response.get("status")
+        if status == "failed":
+            err = response.get("error") if isinstance(response.get("error"), dict) else {}
+            return failed(failed_cause(err.get("code")), str(err.get("message") or "response failed")[:200])
+        if status == "incomplete":
+            details = response.get("incomplete_details")
+            reason = details.get("reason") if isinstance(details, dict) else None
+            if reason == "content_filter":
+                return failed("content_filtered")
+            if reason == "max_output_tokens" and view.get("max_tokens") is not None:
+                return failed("max_tokens")
+            return failed("truncated", f"incomplete: {reason}")
+        chat = self.chat_view(response)
+        assert chat is not None  # output is a list
+        return classify_chat(view, chat, checks)
+
+    def error_cause(self, status: int, body: dict | None) -> str:
+        return error_cause(status, body)
+
+    def usage(self, view: dict, response: dict | None) -> Usage:
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
+            details = usage.get("input_tokens_details")
+            cached = token_count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+            total = token_count(usage["input_tokens"])
+            return Usage(max(0, total - cached), token_count(usage.get("output_tokens")), cache_read=min(cached, total))
+        if response is None:
+            return Usage(0, 0)
+        return estimated_usage(view, chat_output_chars(self.chat_view(response)))
+
+    def reassemble(self, raw: bytes) -> Reassembled:
+        final: dict | None = None
+        done_items: dict[int, dict] = {}
+        for name, data in sse_events(raw):
+            if data == b"[DONE]":
+                continue
+            event = sse_json(data)
+            if event is None:
+                return Reassembled(None, False, "malformed SSE data")
+            kind = event.get("type") or name
+            if kind == "error":
+                err = event.get("error") if isinstance(event.get("error"), dict) else event
+                return Reassembled(None, False, str(err.get("message") or "error event")[:200],
+                                   failed_cause(err.get("code")))
+            if kind == "response.output_item.done" and isinstance(event.get("item"), dict):
+                index = event.get("output_index")
+                done_items[index if isinstance(index, int) else len(done_items)] = event["item"]
+            elif kind in TERMINAL and isinstance(event.get("response"), dict):
+                final = event["response"]
+        if final is None:
+            return Reassembled(None, False, "stream ended before response.completed, response.incomplete "
+                                            "or response.failed")
+        if not final.get("output") and done_items:
+            final = {**final, "output": [done_items[i] for i in sorted(done_items)]}
+        return Reassembled(final, True)
+
+    def stream_error(self, status: int, message: str, code: str) -> bytes:
+        err = json.loads(error_body(status, message, code))["error"]
+        payload = {"type": "error", "code": code, "message": message, "param": None, "error": err}
+        return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    def shadow_body(self, request: dict, upstream_model: str) -> dict:
+        body = {k: v for k, v in request.items() if k not in SHADOW_DROPPED}
+        body["model"] = upstream_model
+        body["store"] = False
+        return body
+
+    def chat_view(self, response: dict | None) -> dict | None:
+        output = response.get("output") if isinstance(response, dict) else None
+        if not isinstance(output, list):
+            return None
+        texts: list[str] = []
+        refusals: list[str] = []
+        calls: list[dict] = []
+        for item in output:
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "message":
+                for part in item.get("content") or ():
+                    if isinstance(part, dict) and part.get("type") == "output_text":
+                        texts.append(str(part.get("text") or ""))
+                    elif isinstance(part, dict) and part.get("type") == "refusal":
+                        refusals.append(str(part.get("refusal") or ""))
+            elif item.get("type") == "function_call":
+                calls.append({"id": item.get("call_id") or item.get("id"), "type": "function",
+                              "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}})
+        details = response.get("incomplete_details")  # type: ignore[union-attr]
+        reason = details.get("reason") if isinstance(details, dict) else None
+        finish = {"max_output_tokens": "length", "content_filter": "content_filter"}.get(reason or "") or \
+            ("tool_calls" if calls else "stop")
+        return chat_completion(response.get("id"), response.get("model"), "".join(texts) if texts else None,  # type: ignore[union-attr]
+                               "".join(refusals) or None, calls, finish)
+
+    def response_id(self, response: dict | None) -> str | None:
+        rid = response.get("id") if isinstance(response, dict) else None
+        return rid if isinstance(rid, str) and rid else None

@@ -1,0 +1,194 @@
+"""`modelcanary control` (Kafka mode): run two or more; exactly one leads, the others stand by.
+
+Every controller follows the rollouts and reports topics, so each knows every route's phase and
+step. The one that holds the partition of `{prefix}.control` (service/bus/kafka/leadership.py)
+claims the next leadership epoch, rebuilds its judge's evidence from the topics (as a restarted
+controller does), and judges; every state it commits carries its epoch. The others answer /readyz
+with `standby` and export `modelcanary_controller_leader` 0.
+
+A leader that loses the partition, or its lease (cut off from the broker), stops judging at once
+and stands by again. Anything it still publishes carries its old epoch, which every follower ignores
+once the new leader's first state is out (`precedence`): two controllers never both decide one
+route and version. After a kill -9 of the leader, a standby leads within ~10 s (the group's session
+timeout, then a join), plus the time to read the evidence back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+from aiohttp import web
+
+from service import metrics
+from service.bus.kafka import KafkaBus, KafkaLeadership
+from service.config import Config
+from service.rollout.book import RolloutBook
+from service.rollout.controller import GROUP, Controller
+from service.rollout.follower import Follower
+
+log = logging.getLogger("modelcanary.controller")
+
+REPLAY_SKEW_S = 60.0   # read back from this long before a rollout began (clocks of other hosts)
+WATCH_S = 0.2          # how often the leader checks it still holds its lease
+RETRY_S = 1.0          # after a failed claim
+
+
+def instance_name() -> str:
+    """This process in the leader records and the leader metric: the pod's host name and the pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Status:
+    """What the health server reports: `starting` until the rollouts topic is read and the leadership
+    group joined (a rolling update waits for that before it stops the next pod), then `leading` or
+    `standby`."""
+
+    def __init__(self) -> None:
+        self.leadership: KafkaLeadership | None = None
+        self.stopping = False
+        self.epoch: int | None = None
+        self.controller: Controller | None = None
+
+    @property
+    def role(self) -> str:
+        if self.stopping:
+            return "stopping"
+        if self.controller is not None:
+            return "leading"
+        return "standby" if self.leadership is not None and self.leadership.joined else "starting"
+
+    def body(self) -> dict:
+        c = self.controller
+        return {"status": self.role, "leader": c is not None, "epoch": self.epoch,
+                "caught_up": self.leadership is not None, "last_tick": c.last_tick if c else None}
+
+
+async def serve_health(config: Config, status: Status) -> web.AppRunner:
+    async def metrics_handler(_request: web.Request) -> web.Response:
+        body, ctype = metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({**status.body(), "status": "ok", "role": status.role})
+
+    async def readyz(_request: web.Request) -> web.Response:
+        # 200 on a standby too: a Deployment's rollout waits for Ready pods, and a standby is as it should be
+        return web.json_response(status.body())
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.server.host, config.control.metrics_port).start()
+    return runner
+
+
+async def resume_evidence(controller: Controller, bus: KafkaBus, stop: asyncio.Event) -> int:
+    """Rebuild the judge's evidence of the current rollouts from what the controller group consumed."""
+    began = controller.resume()
+    if began is None:
+        return 0
+    t0 = time.monotonic()
+    n = await bus.replay(["outcomes", "evaluations"], GROUP, began - REPLAY_SKEW_S, controller.ingest, stop)
+    for route, ev in controller.evidence.items():
+        log.info("route %s: evidence rebuilt from %d records read back in %.1f s (%d in the current window, "
+                 "%d duplicates)", route, n, time.monotonic() - t0, ev.step_samples(
+                     controller.book.states[route].phase), ev.duplicates)
+    return n
+
+
+def leader_group(config: Config) -> str:
+    """One leadership group per topic prefix: deployments that share a broker do not share a leader."""
+    return f"{GROUP}-leader.{config.events.kafka.topic_prefix}"
+
+
+async def lead(config: Config, bus: KafkaBus, book: RolloutBook, leadership: KafkaLeadership, epoch: int,
+               status: Status, stop: asyncio.Event) -> None:
+    """Judge as the leader of `epoch` until `stop` or the partition is revoked or lost; while the lease
+    lapses (a rebalance, a slow broker) judging pauses."""
+    lost = asyncio.Event()
+
+    async def watch() -> None:
+        paused = False
+        while not stop.is_set() and leadership.owned():
+            if paused != (not leadership.held()):
+                paused = not paused
+                log.info("leadership lease %s", "lapsed: judging paused" if paused else "renewed: judging again")
+            await asyncio.sleep(WATCH_S)
+        lost.set()
+
+    watcher = asyncio.create_task(watch(), name="leader-lease")
+    book.epoch = status.epoch = epoch
+    controller = status.controller = Controller(config, bus, book)
+    sub = controller.subscribe()  # joining the group goes on while the evidence is read back
+    log.info("leading (epoch %d): rebuilding the evidence", epoch)
+    try:
+        await resume_evidence(controller, bus, lost)
+        await controller.run(lost, sub, may_decide=leadership.held)
+    finally:
+        book.epoch = None
+        status.controller = None
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if not stop.is_set():
+        log.warning("leadership (epoch %d) lost; standing by", epoch)
+
+
+async def control(config: Config) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    status = Status()
+    runner = await serve_health(config, status)
+    events = config.events
+    bus = KafkaBus(events.kafka, events.spool, events.queue_size)
+    await bus.start()
+    book = RolloutBook(config, persist_path=None, publish=lambda s: bus.publish("rollouts", s))
+    follower = Follower(bus, book)
+    instance = instance_name()
+    gauge = metrics.controller_leader.labels(instance)
+    gauge.set(0)
+    leadership: KafkaLeadership | None = None
+    following: asyncio.Task | None = None
+    try:
+        if not await follower.catch_up(stop):
+            log.warning("the rollouts topic was not read to its end in time; going on with what was read")
+        for route, state in book.states.items():
+            log.info("resuming route %s: phase %s, step %d (%d states adopted)", route, state.phase,
+                     state.step_index, follower.adopted)
+        following = asyncio.create_task(follower.run(stop), name="rollouts")
+        leadership = status.leadership = bus.leadership(leader_group(config))
+        log.info("%s standing by for the lead", instance)
+        while await leadership.wait_held(stop):
+            floor = max((s.epoch for s in book.states.values()), default=0)
+            epoch = await leadership.claim(instance, floor)
+            if epoch is None:
+                await asyncio.sleep(RETRY_S)
+                continue
+            gauge.set(1)
+            try:
+                await lead(config, bus, book, leadership, epoch, status, stop)
+            finally:
+                gauge.set(0)
+    finally:
+        stop.set()
+        status.stopping = True
+        await bus.flush(5.0)  # the last decisions, before the lead is given up
+        if leadership is not None:
+            await leadership.close()
+        if following is not None:
+            await asyncio.gather(following, return_exceptions=True)
+        await bus.close()
+        await runner.cleanup()
+    return 0

@@ -1,0 +1,72 @@
+"""The rollout state file of memory mode, written off the caller's thread.
+
+Commits happen on the event loop; a write (and a slow disk) must not stall it. `save` hands the
+latest snapshot to a writer thread and returns; snapshots that arrive while one is being written
+coalesce, so only the newest is written next. The writer is not a daemon: a process that exits
+normally waits for the last write, so a restart keeps the phase.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from service.records import RolloutState
+
+log = logging.getLogger("modelcanary.rollout")
+
+
+class StateFile:
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._pending: list[RolloutState] | None = None
+        self._writer: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def load(self) -> dict[str, RolloutState]:
+        if not self.path.exists():
+            return {}
+        try:
+            raw = json.loads(self.path.read_text())
+            return {s["route"]: RolloutState.model_validate(s) for s in raw.get("rollouts", [])}
+        except (OSError, ValueError) as e:
+            log.error("ignoring unreadable rollout state %s: %s", self.path, e)
+            return {}
+
+    def save(self, states: list[RolloutState]) -> None:
+        """Queue `states` (every route's, replacing any snapshot not yet written) and return."""
+        with self._lock:
+            self._pending = states
+            self._idle.clear()
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._drain, name="rollout-state-writer")
+                self._writer.start()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every snapshot saved so far is on disk; False if `timeout_s` passed first."""
+        return self._idle.wait(timeout_s)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                states, self._pending = self._pending, None
+                if states is None:
+                    self._writer = None
+                    self._idle.set()
+                    return
+            try:
+                self._write(states)
+            except Exception as e:  # the writer outlives a failed write; the next commit tries again
+                log.error("cannot write rollout state %s: %s", self.path, e)
+
+    def _write(self, states: list[RolloutState]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        payload = {"rollouts": [s.model_dump(mode="json", by_alias=True) for s in states]}
+        tmp.write_text(json.dumps(payload, indent=2))
+        os.replace(tmp, self.path)

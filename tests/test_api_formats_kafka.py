@@ -1,0 +1,60 @@
+"""Kafka mode on a real broker (Tansu): a Responses-API follow-up sent to another replica still reaches
+the model that stored the response, learned from the `response_id` of the outcomes the first replica
+published."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+import uuid
+
+import openai
+import pytest
+
+from service.bus.kafka import read_topic
+from tests.fixtures.servers import proxy_config
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKEN = "kafka-formats-token"
+ENV = {"MODELCANARY_ADMIN_TOKEN": TOKEN}
+
+
+def _admin(url: str, path: str, method: str = "GET") -> dict:
+    req = urllib.request.Request(url + path, method=method, data=b"" if method == "POST" else None,
+                                 headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_a_follow_up_on_another_replica_reaches_the_model_that_stored_the_response(kafka_broker, servers):
+    sim = servers.simulator()
+    prefix = "mc" + uuid.uuid4().hex[:8]
+    cfg = proxy_config(sim.url, shadow={"sample_rate": 0.0}, rollout={"steps": [50], "mode": "advisory"})
+    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
+                                                   "topic_prefix": prefix, "partitions": 2, "linger_ms": 5}}
+    a = servers.proxy(cfg, name="proxy-a", env=ENV)
+    b = servers.proxy(cfg, name="proxy-b", env=ENV)
+    _admin(a.url, "/admin/rollouts/support-bot/promote", "POST")
+    deadline = time.monotonic() + 20
+    while _admin(b.url, "/admin/rollouts/support-bot")["phase"] != "canary" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _admin(b.url, "/admin/rollouts/support-bot")["canary_weight"] == 0.5
+
+    on_a = openai.OpenAI(base_url=a.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+    on_b = openai.OpenAI(base_url=b.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+    served = []
+    for i in range(16):
+        raw = on_a.responses.with_raw_response.create(model="support-bot", input=f"question {i}")
+        served.append((raw.parse().id, raw.headers["x-modelcanary-model"]))
+    assert {m for _, m in served} == {"stable-m", "candidate-m"}
+    for response_id, model in served:
+        # the simulator refuses a previous_response_id that another model stored
+        raw = on_b.responses.with_raw_response.create(model="support-bot", previous_response_id=response_id,
+                                                      input="go on")
+        assert raw.headers["x-modelcanary-model"] == model
+        assert raw.parse().previous_response_id == response_id
+    outcomes = read_topic(kafka_broker.bootstrap, f"{prefix}.outcomes", timeout_s=5)
+    ids = {o.get("response_id") for o in outcomes}
+    assert {rid for rid, _ in served} <= ids

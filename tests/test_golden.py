@@ -1,0 +1,363 @@
+"""Golden sets (issue 18): capture live traffic from a memory-mode proxy and from Kafka, with
+redaction and no credentials in the file; curate; replay a candidate offline against the
+simulator and gate on the exit code; compare with a live rollout's report."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+
+from collectors.golden import dataset
+from collectors.golden.verdicts import against_live, per_segment
+from service.bus.kafka import read_topic
+from tests.fixtures.servers import CLI, ROOT, SIM_MODEL, proxy_config, sim_config, write_yaml
+
+pytestmark = pytest.mark.timeout(300)
+ROUTE = "support-bot"
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def cli(args: list[str], env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def in_process(capsys, args: list[str]) -> tuple[int, str, str]:
+    """The same command without a new interpreter (exit code, stdout, stderr): for the quick ones."""
+    from service.cli import main
+
+    capsys.readouterr()
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tool_request(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"What is the weather in city number {i}?"}], "tools": WEATHER,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+
+
+def chat_request(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Tell me fact number {i} about the sea."}]}
+
+
+def admin_lines(url: str, token: str) -> list[dict]:
+    req = urllib.request.Request(url + "/admin/traffic", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return [json.loads(line) for line in r.read().splitlines() if line.strip()]
+
+
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- capture from a memory-mode proxy, with planted secrets ------------------------------------------------
+
+
+def test_capture_from_memory_proxy_redacts_and_keeps_no_credential(servers, tmp_path, capsys, monkeypatch):
+    tag = uuid.uuid4().hex
+    secrets = {"client key": "sk-client-" + tag, "provider key": "sk-provider-" + uuid.uuid4().hex,
+               "admin token": "adm-" + uuid.uuid4().hex, "pasted key": "sk-live-" + uuid.uuid4().hex,
+               "body credential": "body-" + uuid.uuid4().hex}
+    pii = {"email": f"jane.{tag[:8]}@example.com", "account": "acct-734201"}
+    sim_cfg = sim_config()
+    sim_cfg["api_key"] = secrets["provider key"]
+    sim = servers.simulator(sim_cfg)
+    cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100_000,
+                                        "redact": ["builtin:email", r"acct-\d{6}"]})
+    cfg["providers"]["sim"]["api_key_env"] = "SIM_PROVIDER_KEY"
+    cfg["server"] = {"client_keys_env": "MC_CLIENT_KEYS"}
+    cfg["control"] = {"interval_s": 0.5, "report_interval_s": 0.5}
+    env = {"SIM_PROVIDER_KEY": secrets["provider key"], "MODELCANARY_ADMIN_TOKEN": secrets["admin token"],
+           "MC_CLIENT_KEYS": f"{secrets['client key']}=*"}
+    proxy = servers.proxy(cfg, env=env)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=secrets["client key"], max_retries=0, timeout=20)
+    started = time.time()
+    ids: dict[str, str] = {}   # request id -> segment
+    for i in range(12):
+        r = client.chat.completions.with_raw_response.create(model=ROUTE, **tool_request(i))
+        ids[r.headers["x-request-id"]] = "tools"
+        body = chat_request(i)
+        if i == 0:  # PII, a pasted key and a credential field in the body: none may reach the dataset
+            body["messages"][0]["content"] += (f" I am {pii['email']}, account {pii['account']}, "
+                                               f"my key is {secrets['pasted key']}")
+        r = client.chat.completions.with_raw_response.create(
+            model=ROUTE, **body, extra_body={"metadata": {"api_key": secrets["body credential"]}} if i == 0 else None)
+        ids[r.headers["x-request-id"]] = "chat"
+    for i in range(3):  # the same questions again: deduplicated by fingerprint
+        client.chat.completions.create(model=ROUTE, **chat_request(5 + i), stream=i == 0)
+    rated = list(ids)[:2]
+    for rid, success in zip(rated, (True, False)):
+        req = urllib.request.Request(proxy.url + "/v1/feedback", method="POST", headers={
+            "Authorization": f"Bearer {secrets['client key']}", "Content-Type": "application/json"},
+            data=json.dumps({"request_id": rid, "success": success, "reason": "test"}).encode())
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status in (200, 202)
+    wait_for(lambda: sum(1 for x in admin_lines(proxy.url, secrets["admin token"])
+                         if x["schema"] == "modelcanary.outcome/v1") >= 2, what="feedback in the proxy's memory")
+    assert sum(1 for x in admin_lines(proxy.url, secrets["admin token"])
+               if x["schema"] == "modelcanary.traffic/v1") == 27
+
+    monkeypatch.delenv("MODELCANARY_ADMIN_TOKEN", raising=False)
+    code, _, err = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out",
+                                       str(tmp_path / "x.jsonl")])
+    assert code == 1 and "HTTP 401" in err and "MODELCANARY_ADMIN_TOKEN" in err
+
+    everything = tmp_path / "all.jsonl"
+    r = cli(["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out", str(everything),
+             "--since", "1h"], env)
+    assert r.returncode == 0, r.stderr
+    assert "24 cases from 27 sampled requests" in r.stdout and "3 duplicates" in r.stdout, r.stdout
+    cases = dataset.load(everything)
+    assert {c.request_id: c.segment for c in cases} == ids  # each case traces back to its live request
+    assert all(c.live is not None and c.live.body and c.config_version for c in cases)
+    feedback = {c.request_id: c.feedback.success for c in cases if c.feedback is not None}
+    assert feedback == {rated[0]: True, rated[1]: False}
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    capped = tmp_path / "capped.jsonl"
+    code, out, _ = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out",
+                                       str(capped), "--per-segment", "5"])
+    assert code == 0 and "14 over the per-segment cap" in out, out
+    assert {s: sum(1 for c in dataset.load(capped) if c.segment == s) for s in ("tools", "chat")} == \
+        {"tools": 5, "chat": 5}
+    before = tmp_path / "before.jsonl"
+    code, out, _ = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out",
+                                       str(before), "--until", str(started - 1)])
+    assert code == 0 and "wrote 0 cases" in out, out
+    code, _, err = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--out", str(before),
+                                       "--since", "yesterday"])
+    assert code == 2 and "--since: 'yesterday' is not a time" in err
+
+    code, out, _ = in_process(capsys, ["dataset", "stats", str(everything)])
+    assert code == 0 and "24 cases, 0 with checks" in out and "tools" in out
+
+    text = everything.read_text() + capped.read_text()
+    for name, secret in {**secrets, **pii}.items():
+        assert secret not in text, f"{name} is in the dataset"
+    assert "[REDACTED]" in text
+
+    # bridge to live: the same candidate, offline and in the proxy's own shadow rollout
+    def live_overall() -> bool:
+        body = json.loads(urllib.request.urlopen(urllib.request.Request(
+            proxy.url + f"/admin/rollouts/{ROUTE}/report",
+            headers={"Authorization": f"Bearer {secrets['admin token']}"}), timeout=10).read())
+        judged = ((body["report"] or {}).get("judge") or {}).get("comparisons") or []
+        return any(c["segment"] == "overall" for c in judged)
+
+    wait_for(live_overall, 60, "the live judge's comparisons of the shadow records")
+    r = cli(["replay", str(everything), "--candidate", "candidate-m", "--config", str(proxy.config_path), "--json",
+             "--against-report", proxy.url], env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    rows = {a["segment"]: a for a in result["routes"][ROUTE]["against_report"]}
+    assert rows["overall"]["offline"] == result["routes"][ROUTE]["verdicts"]["overall"]
+    assert rows["overall"]["live"] in ("worse", "within", "inconclusive")
+    code, _, err = in_process(capsys, ["replay", str(everything), "--candidate", "stable-m", "--config",
+                                       str(proxy.config_path), "--against-report", proxy.url])
+    assert code == 2 and "canaries 'candidate-m', not 'stable-m'" in err
+
+
+# ---- capture from Kafka ---------------------------------------------------------------------------------------
+
+
+def test_capture_from_kafka_with_feedback_by_request_and_by_session(kafka_broker, servers, tmp_path):
+    prefix = "golden" + uuid.uuid4().hex[:8]
+    sim = servers.simulator()
+    cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100_000, "redact": ["builtin:email"]})
+    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
+                                                   "topic_prefix": prefix, "partitions": 2}}
+    proxy = servers.proxy(cfg)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0, timeout=20)
+    ids = []
+    for i in range(6):
+        body = tool_request(i) if i % 2 else chat_request(i)
+        if i == 0:
+            body["messages"][0]["content"] += " write to bob@example.org"
+        r = client.chat.completions.with_raw_response.create(model=ROUTE, **body,
+                                                             extra_headers={"x-session-id": f"s{i // 3}"})
+        ids.append(r.headers["x-request-id"])
+    for body in ({"request_id": ids[0], "success": False}, {"session_id": "s1", "success": True}):
+        req = urllib.request.Request(proxy.url + "/v1/feedback", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status in (200, 202)
+    wait_for(lambda: len(read_topic(kafka_broker.bootstrap, f"{prefix}.traffic", timeout_s=5)) >= 6, 60,
+             "traffic on the topic")
+    wait_for(lambda: sum(1 for v in read_topic(kafka_broker.bootstrap, f"{prefix}.outcomes", timeout_s=5)
+                         if v.get("kind") == "feedback") >= 2, 60, "feedback on the topic")
+
+    out = tmp_path / "kafka.jsonl"
+    r = cli(["capture", "--config", str(proxy.config_path), "--out", str(out)])
+    assert r.returncode == 0, r.stderr
+    assert f"Kafka {kafka_broker.bootstrap} ({prefix}.traffic)" in r.stdout
+    cases = {c.request_id: c for c in dataset.load(out)}
+    assert set(cases) == set(ids)
+    assert [cases[i].segment for i in ids] == ["chat", "tools"] * 3
+    # by request id; and by session: the session's latest request before the feedback
+    assert {rid: c.feedback.success for rid, c in cases.items() if c.feedback} == {ids[0]: False, ids[5]: True}
+    assert "bob@example.org" not in out.read_text()
+
+
+# ---- replay against the simulator -------------------------------------------------------------------------------
+
+
+def golden_set(sim_url: str, path: Path, n: int = 35) -> Path:
+    """n tool and n chat cases, answered live by the stable model (good-model), some with checks."""
+    client = openai.OpenAI(base_url=sim_url + "/v1", api_key="k", max_retries=0, timeout=20)
+    cases = []
+    for i in range(n):
+        for segment, request in (("tools", tool_request(i)), ("chat", chat_request(i))):
+            started = time.perf_counter()
+            answer = client.chat.completions.create(model="good-model", **request).model_dump(exclude_none=True)
+            checks = {"tool_call": {"name": "get_weather", "arguments": {"city": ".+"}}} \
+                if segment == "tools" else None
+            cases.append(dataset.Case(
+                request_id=f"{segment}-{i}", ts=time.time(), route=ROUTE, segment=segment, request=request,
+                live={"model": "stable-m", "status": 200, "body": answer, "latency_s": time.perf_counter() - started,
+                      "outcome": "completed"}, checks=checks, tags=["typical"]))
+    dataset.write(path, cases)
+    return path
+
+
+@pytest.fixture
+def replay_setup(servers, tmp_path):
+    breaks_tools = copy.deepcopy(SIM_MODEL)
+    breaks_tools["segments"] = {"tools": {"failures": {"invalid_tool_call": 0.7}}}
+    sim = servers.simulator(sim_config({"good-model": copy.deepcopy(SIM_MODEL), "new-model": breaks_tools}))
+    config = write_yaml(tmp_path / "replay.yaml", proxy_config(sim.url))
+    return golden_set(sim.url, tmp_path / "golden.jsonl"), config
+
+
+def test_replay_of_a_tool_breaking_candidate_fails_the_build_with_evidence(replay_setup):
+    golden, config = replay_setup
+    r = cli(["replay", str(golden), "--candidate", "candidate-m", "--config", str(config)])
+    assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-3000:])
+    out = r.stdout
+    assert "replay: something is confidently worse (exit 1)" in out
+    assert "worse segment tools: invalid_tool_call rate" in out  # the evidence, with its numbers
+    assert "worse segment tools: case checks pass rate" in out
+    assert "worse segment chat" not in out
+    assert "replay: 70/70 cases" in r.stderr  # plain progress lines when not on a terminal
+
+
+def test_replay_of_the_stable_model_against_itself_passes(replay_setup):
+    golden, config = replay_setup
+    r = cli(["replay", str(golden), "--candidate", "stable-m", "--config", str(config), "--repeats", "3", "--json"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    route = result["routes"][ROUTE]
+    assert result["exit_code"] == 0 and route["cases"] == 70 and "worse" not in route["verdicts"].values()
+    comparisons = route["comparisons"]
+    metrics = {c["metric"] for c in comparisons}
+    assert {"checks_pass_rate", "stability_gap", "similarity_gap"} <= metrics
+    for c in comparisons:
+        lo, hi = c["interval"]
+        no_effect = 1.0 if c["unit"] == "ratio" else 0.0
+        assert lo <= no_effect <= hi, c
+    repro = result["repro"]
+    assert {"agreement", "stability", "checks"} <= set(repro["evaluator_versions"])
+    assert set(repro["models"]) == {"stable-m"}  # candidate and noise floor: the same model
+    assert repro["models"]["stable-m"]["served"] == ["good-model"] and repro["params"]["stability_k"] == 3
+    assert repro["boundary"] == "fixed" and len(repro["dataset"]["sha256"]) == 64
+    assert len(result["records"]) == 70 and all(rec["stable_again"] for rec in result["records"])
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+
+
+def test_a_malformed_dataset_is_refused_naming_the_line_and_field(tmp_path, capsys):
+    good = dataset.line_of(dataset.Case(request_id="a", route=ROUTE, request=chat_request(1)))
+    lines = [good, good.replace('"a"', '"b"'), '{"request_id": "c", "route": ', good.replace('"a"', '"d"'),
+             json.dumps({"request_id": "e", "route": ROUTE, "checks": {"tool_call": {"arguments": {"x": "("}}}}),
+             good]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    config = write_yaml(tmp_path / "c.yaml", proxy_config("http://127.0.0.1:9"))
+    r = cli(["replay", str(path), "--candidate", "candidate-m", "--config", str(config)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "line 3: not JSON" in r.stderr
+    assert "line 5: request: required field is missing" in r.stderr
+    assert "line 5: checks.tool_call.name: required field is missing" in r.stderr
+    assert "line 5: checks.tool_call.arguments: argument 'x': invalid regex" in r.stderr
+    assert "line 6: request_id: 'a' is already the case on line 1" in r.stderr
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(good + "\n")
+    code, _, err = in_process(capsys, ["replay", str(ok), "--candidate", "nope", "--config", str(config)])
+    assert code == 2 and "--candidate: 'nope' is not a model of the config" in err
+    code, _, err = in_process(capsys, ["replay", str(ok), "--candidate", "candidate-m", "--config", str(config),
+                                       "--repeats", "0"])
+    assert code == 2 and "--repeats: must be 1 (no stability) to 10" in err
+    code, _, err = in_process(capsys, ["dataset", "stats", str(path)])
+    assert code == 2 and "line 3" in err
+
+
+def test_segment_verdicts_and_where_offline_and_live_differ():
+    offline = per_segment([{"segment": "tools", "verdict": "worse"}, {"segment": "tools", "verdict": "within"},
+                           {"segment": "overall", "verdict": "within"}, {"segment": "chat", "verdict": "within"},
+                           {"segment": "chat", "verdict": "inconclusive"}])
+    assert offline == {"overall": "within", "chat": "inconclusive", "tools": "worse"}
+    report = {"report": {"judge": {"comparisons": [{"segment": "overall", "verdict": "within"},
+                                                   {"segment": "tools", "verdict": "within"},
+                                                   {"segment": "json", "verdict": "inconclusive"}]}}}
+    rows = {a.segment: a.differs for a in against_live(offline, report, "candidate-m")}
+    assert rows == {"overall": False, "chat": True, "json": True, "tools": True}
+
+
+# ---- a real model -------------------------------------------------------------------------------------------------
+
+
+def test_replay_a_dozen_cases_against_a_real_model(llama_server, tmp_path):
+    config = write_yaml(tmp_path / "llama.yaml", {
+        "providers": {"llama": {"base_url": llama_server.base_url, "timeout_s": 120, "max_retries": 1}},
+        "models": {"small": {"provider": "llama", "name": llama_server.chat_model},
+                   "terse": {"provider": "llama", "name": llama_server.chat_model,
+                             "system_prompt": "Answer in as few words as possible."}},
+        "routes": {ROUTE: {"stable": "small", "shadow": {"stability": {"sample_rate": 0.0}}}},
+        "collect": {"concurrency": 2},
+    })
+    questions = ["What is 2 + 2?", "What colour is the sky?", "Name a fruit.", "What is the capital of France?",
+                 "How many legs has a cat?", "Say hello.", "What is water made of?", "Name a planet.",
+                 "What day comes after Monday?", "What is 10 minus 3?", "Name an animal that swims.",
+                 "What do bees make?"]
+    client = llama_server.openai_client()
+    cases = []
+    for i, q in enumerate(questions):
+        request = {"messages": [{"role": "user", "content": q}], "max_tokens": 16, "temperature": 0}
+        answer = client.chat.completions.create(model=llama_server.chat_model, **request)
+        cases.append(dataset.Case(request_id=f"q{i}", route=ROUTE, request=request,
+                                  live={"model": "small", "status": 200, "body": answer.model_dump(exclude_none=True),
+                                        "latency_s": 0.5, "outcome": "completed"},
+                                  checks={"expected": "4"} if i == 0 else None))
+    golden = tmp_path / "real.jsonl"
+    dataset.write(golden, cases)
+    r = cli(["replay", str(golden), "--candidate", "terse", "--config", str(config), "--json"], timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]  # a dozen cases: too few for any confident verdict
+    result = json.loads(r.stdout)
+    records = result["records"]
+    assert len(records) == 12
+    assert all(rec["candidate"]["cause"] in (None, "max_tokens") for rec in records), records
+    assert sum(rec["candidate"]["outcome"] == "completed" for rec in records) >= 6
+    assert any(rec["similarity"]["candidate_vs_stable"] is not None for rec in records)
+    assert any(e["name"] == "checks" for e in records[0]["evaluations"])
+    assert result["repro"]["models"]["terse"]["served"]  # the version the server reported
+    assert set(result["routes"][ROUTE]["verdicts"].values()) <= {"inconclusive", "within"}

@@ -1,0 +1,182 @@
+"""The framework internals the service relies on still have the shape it expects (issue 12 §4).
+
+Each check names what moved, so an upgrade past the pins in pyproject fails here, loudly, and not
+as a slow proxy, a hung drain or a producer that never closes. The modules that reach in:
+service/proxy/fast_path.py (FastAPI, Starlette), service/proxy/server.py (uvicorn),
+service/bus/kafka/internals.py (kafka-python).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import socket
+import time
+import uuid
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import NewTopic
+from starlette.responses import PlainTextResponse
+from starlette.testclient import TestClient
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from service.bus.kafka.internals import force_close, session_age, topic_id
+from service.proxy.fast_path import CHAT_PATH, ProxyApp, native_telemetry_on
+from service.proxy.server import GuardedHttpToolsProtocol
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---- FastAPI / Starlette: the chat shortcut ---------------------------------------------------------
+
+
+def test_fastapi_still_has_what_the_chat_shortcut_reads():
+    app = FastAPI()
+    assert isinstance(app.user_middleware, list), "Starlette.user_middleware moved"
+    assert app.root_path == "", "FastAPI.root_path moved"
+    native = getattr(app, "_native_telemetry", None)
+    assert native is not None and isinstance(native.enabled(), bool), "FastAPI._native_telemetry moved"
+    assert native_telemetry_on(app) is False
+    assert list(inspect.signature(FastAPI.__call__).parameters) == ["self", "scope", "receive", "send"]
+
+
+class PassThrough:
+    """An ASGI middleware that changes nothing (user middleware: the shortcut must step aside)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
+
+
+def shortcut_app() -> ProxyApp:
+    app = ProxyApp()
+
+    @app.post(CHAT_PATH)
+    async def routed() -> PlainTextResponse:
+        return PlainTextResponse("router")
+
+    async def fast(request) -> PlainTextResponse:
+        return PlainTextResponse("fast " + json.loads(await request.body())["model"])
+
+    app.fast_chat = fast
+    return app
+
+
+def test_the_chat_shortcut_answers_and_steps_aside_when_it_would_change_behaviour():
+    assert TestClient(shortcut_app()).post(CHAT_PATH, json={"model": "m"}).text == "fast m"
+    with_middleware = shortcut_app()
+    with_middleware.add_middleware(PassThrough)
+    assert TestClient(with_middleware).post(CHAT_PATH, json={"model": "m"}).text == "router"
+    with_root_path = shortcut_app()
+    with_root_path.root_path = "/api"
+    assert TestClient(with_root_path).post(CHAT_PATH, json={"model": "m"}).text == "router"
+
+
+# ---- uvicorn: the guarded httptools protocol and the draining server ----------------------------------
+
+OVERRIDDEN = {  # HttpToolsProtocol method -> its parameters after self
+    "connection_made": ["transport"], "connection_lost": ["exc"], "data_received": ["data"],
+    "on_message_begin": [], "on_url": ["url"], "on_header": ["name", "value"], "on_headers_complete": [],
+    "on_body": ["body"], "on_message_complete": [], "send_400_response": ["msg"],
+}
+
+
+def test_uvicorn_httptools_protocol_has_every_method_the_guard_overrides():
+    for name, params in OVERRIDDEN.items():
+        method = getattr(HttpToolsProtocol, name, None)
+        assert method is not None, f"HttpToolsProtocol.{name} is gone"
+        assert list(inspect.signature(method).parameters)[1:] == params, f"HttpToolsProtocol.{name} changed"
+    assert GuardedHttpToolsProtocol.__mro__[1] is HttpToolsProtocol
+
+
+def test_uvicorn_server_has_what_the_draining_server_overrides():
+    assert list(inspect.signature(uvicorn.Server.handle_exit).parameters) == ["self", "sig", "frame"]
+    assert inspect.iscoroutinefunction(uvicorn.Server.on_tick)
+    assert list(inspect.signature(uvicorn.Server.on_tick).parameters) == ["self", "counter"]
+    server = uvicorn.Server(uvicorn.Config(lambda *a: None, timeout_graceful_shutdown=3))
+    assert server.should_exit is False and server.force_exit is False
+    assert server.config.timeout_graceful_shutdown == 3
+
+
+async def hello(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def exchange(raw: bytes) -> tuple[bytes, GuardedHttpToolsProtocol]:
+    """`raw` into the guarded protocol over a real socket pair, as uvicorn builds it; what comes back."""
+    loop = asyncio.get_running_loop()
+    protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(hello, log_level="warning"),
+                                        server_state=ServerState(), app_state={}, _loop=loop)
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    await loop.connect_accepted_socket(lambda: protocol, ours)
+    assert protocol.loop is loop and protocol.transport is not None
+    await loop.sock_sendall(theirs, raw)
+    data = b""
+    try:
+        while chunk := await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5):
+            data += chunk
+    finally:
+        theirs.close()
+    return data, protocol
+
+
+def test_the_guarded_protocol_serves_and_refuses_through_uvicorns_callbacks():
+    async def go():
+        served, protocol = await exchange(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert served.startswith(b"HTTP/1.1 200") and served.endswith(b"ok"), served
+        assert protocol.cycle is not None and protocol.cycle.response_complete is True
+        huge, _ = await exchange(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+        assert huge.startswith(b"HTTP/1.1 431"), huge[:100]
+        garbage, _ = await exchange(b"\x16\x03\x01 not http\r\n\r\n")
+        head, _, body = garbage.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http_request"
+
+    asyncio.run(go())
+
+
+# ---- kafka-python ------------------------------------------------------------------------------------
+
+
+def test_kafka_python_privates_on_real_clients(kafka_broker):
+    bootstrap = kafka_broker.bootstrap
+    topic = "internals-" + uuid.uuid4().hex[:8]
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, 1, -1)])
+    finally:
+        admin.close()
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    sender = getattr(producer, "_sender", None)
+    assert sender is not None and callable(sender.force_close) and callable(sender.join), "KafkaProducer._sender"
+    force_close(producer)
+    assert not sender.is_alive(), "force_close left the producer's I/O thread running"
+
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id="internals-" + uuid.uuid4().hex[:8],
+                             session_timeout_ms=6000, max_poll_interval_ms=10000, heartbeat_interval_ms=1000)
+    try:
+        cluster = consumer._client.cluster
+        assert callable(getattr(cluster, "topic_id", None)), "KafkaConsumer._client.cluster.topic_id"
+        heartbeat = consumer._coordinator.heartbeat
+        assert isinstance(heartbeat.last_receive, float) and isinstance(heartbeat.last_reset, float), \
+            "KafkaConsumer._coordinator.heartbeat.last_receive / last_reset"
+        deadline = time.monotonic() + 30
+        while not consumer.assignment() and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=200)
+        assert consumer.assignment(), "the consumer never joined its group"
+        assert topic_id(consumer, topic) is not None  # the cluster metadata carries the topic's id
+        while session_age(consumer) == float("inf") and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=200)  # the first heartbeat comes about a second after the join
+        age = session_age(consumer)
+        assert age is not None and 0 <= age < 6, age
+    finally:
+        consumer.close()

@@ -1,0 +1,104 @@
+"""Memory mode's shadow workers run in a child process of `modelcanary serve` (collectors.embedded):
+records come back to the controller, metrics reach /metrics, a slow child costs the proxy nothing
+(its bounded queue drops and counts), and a dead child is replaced."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.fixtures.servers import SIM_MODEL, metric_value, proxy_config, scrape, sim_config
+
+pytestmark = pytest.mark.timeout(180)
+
+ROUTE = "support-bot"
+
+
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (Linux /proc)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(p) for p in text]
+    return out
+
+
+def shadow_child(pid: int) -> int | None:
+    """The proxy's shadow child (its command line runs multiprocessing's spawn main)."""
+    for c in children(pid):
+        try:
+            cmd = Path(f"/proc/{c}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"multiprocessing.spawn" in cmd and b"resource_tracker" not in cmd:
+            return c
+    return None
+
+
+def wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def shadowed(url: str) -> float:
+    return metric_value(scrape(url), "modelcanary_shadow_requests_total", route=ROUTE, model="candidate-m")
+
+
+def ask(client: openai.OpenAI, i: int) -> float:
+    started = time.perf_counter()
+    client.chat.completions.create(model=ROUTE, messages=[{"role": "user", "content": f"child test {i}"}])
+    return time.perf_counter() - started
+
+
+def test_records_and_metrics_come_back_and_a_dead_child_is_replaced(servers):
+    sim = servers.simulator(sim_config())
+    cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100_000})
+    proxy = servers.proxy(cfg)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
+    for i in range(10):
+        ask(client, i)
+    wait_for(lambda: shadowed(proxy.url) == 10, 30, "10 shadow evaluations on /metrics")
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_shadow_similarity_count", route=ROUTE, comparison="candidate") == 10
+    assert metric_value(text, "modelcanary_shadow_agreement_total", route=ROUTE, comparison="noise_floor") == 10
+
+    first = wait_for(lambda: shadow_child(proxy.proc.pid), 10, "the shadow child")
+    assert first != proxy.proc.pid
+    os.kill(first, signal.SIGKILL)  # a child of the proxy this test started
+    # the proxy does not wait for its shadow child: requests are answered meanwhile
+    assert max(ask(client, 100 + i) for i in range(5)) < 2.0
+    second = wait_for(lambda: (c := shadow_child(proxy.proc.pid)) and c != first and c, 20, "a new shadow child")
+    for i in range(10):
+        ask(client, 200 + i)
+    # the dead child's counts stay (counters never go back); the new child's are added
+    wait_for(lambda: shadowed(proxy.url) >= 20, 30, "evaluations from the new child")
+    assert "shadow child exited" in proxy.output()
+    assert shadow_child(proxy.proc.pid) == second
+
+
+def test_a_slow_child_costs_the_proxy_nothing_its_queue_drops_and_counts(servers):
+    slow = {**SIM_MODEL, "latency_s": {"median": 3.0, "p95": 3.0}}
+    sim = servers.simulator(sim_config({"good-model": dict(SIM_MODEL), "new-model": slow}, time_scale=1.0))
+    cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100_000, "noise_floor": False})
+    cfg["events"] = {"queue_size": 16}
+    cfg["collect"] = {"concurrency": 1}
+    proxy = servers.proxy(cfg)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
+    ask(client, 0)
+    with ThreadPoolExecutor(8) as pool:
+        latencies = list(pool.map(lambda i: ask(client, i), range(1, 201)))
+    assert max(latencies) < 2.0, max(latencies)  # the stable answers in ~10 ms; shadow calls take 3 s each
+    dropped = wait_for(lambda: metric_value(scrape(proxy.url), "modelcanary_shadow_dropped_total", route=ROUTE,
+                                            reason="queue_full"), 10, "queue_full drops")
+    assert dropped >= 150  # a queue of 16 in front of one 3-second evaluation at a time
