@@ -219,11 +219,13 @@ async def test_one_member_leads_and_the_next_takes_over_with_a_higher_epoch(kafk
     await a.start()
     await b.start()
     stop = asyncio.Event()
-    la, lb = a.leadership(f"leaders-{prefix}"), b.leadership(f"leaders-{prefix}")
+    la = a.leadership(f"leaders-{prefix}")
+    lb = None
     try:
         assert await asyncio.wait_for(la.wait_held(stop), 30)
         assert await la.claim("a", floor=0) == 1
-        await asyncio.sleep(4)  # b joined meanwhile: the cooperative assignor leaves the partition with a
+        lb = b.leadership(f"leaders-{prefix}")
+        await asyncio.wait_for(_joined(lb), 20)  # the cooperative assignor leaves the partition with a
         assert la.held() and not lb.held()
         await la.close()  # a leaves (a SIGTERM)
         t0 = time.monotonic()
@@ -234,9 +236,15 @@ async def test_one_member_leads_and_the_next_takes_over_with_a_higher_epoch(kafk
         records = [r for r in await lb.get_batch(100, 2.0) if isinstance(r, LeaderRecord)]
         assert all(isinstance(r.epoch, int) for r in records)
     finally:
-        await lb.close()
+        if lb is not None:
+            await lb.close()
         await a.close()
         await b.close()
+
+
+async def _joined(leadership) -> None:
+    while not leadership.joined:
+        await asyncio.sleep(0.1)
 
 
 @pytest.mark.anyio
