@@ -12,6 +12,8 @@ import asyncio
 import inspect
 import json
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -97,7 +99,11 @@ def test_uvicorn_httptools_protocol_has_every_method_the_guard_overrides():
 
 
 def test_uvicorn_server_has_what_the_draining_server_overrides():
-    assert list(inspect.signature(uvicorn.Server.handle_exit).parameters) == ["self", "sig", "frame"]
+    # In a fresh interpreter: sse_starlette (imported by the agents SDK's mcp) replaces
+    # Server.handle_exit with a (*args, **kwargs) wrapper in any process that imports it.
+    probe = "import inspect, uvicorn; print(*inspect.signature(uvicorn.Server.handle_exit).parameters)"
+    params = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert params == ["self", "sig", "frame"]
     assert inspect.iscoroutinefunction(uvicorn.Server.on_tick)
     assert list(inspect.signature(uvicorn.Server.on_tick).parameters) == ["self", "counter"]
     server = uvicorn.Server(uvicorn.Config(lambda *a: None, timeout_graceful_shutdown=3))
