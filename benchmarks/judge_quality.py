@@ -36,7 +36,11 @@ successful requests, replayed to the candidate and to the stable (outcomes
 independent given the request's session). A run still holding after 3 hours
 counts as hold. Judges look every 15 s batch (Flagger/Kayenta every minute).
 
-    python benchmarks/judge_quality.py [--runs N] [--quick] [--seed S] [--only J,...] [--scenarios S,...]
+Scenario `tools_segment` (ours only) is `tools` in rollout.scope segment: each segment its own ramp,
+shadow → steps → promoted or rolled_back, decided by its own comparisons (run_segment_scope); it
+gives one row per segment.
+
+    python benchmarks/judge_quality.py [--runs N] [--quick] [--seed S] [--only J,...] [--scenarios S,...] [--merge]
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +117,7 @@ class Scenario:
     latency: tuple[float, float] = STABLE_LAT       # candidate median, p95
     truth: str = "same"                             # same | worse | better
     session_len: int = 0                            # requests per sticky session (0: independent requests)
+    scope: str = "route"                            # rollout.scope: route | segment (each segment its own ramp)
 
 
 SCENARIOS = [
@@ -127,7 +132,11 @@ SCENARIOS = [
     # evidence is thinnest (the promote side's guarantee is for every candidate at or beyond a margin)
     Scenario("margin", "tools −1 pt (on the margin), others same", (0.95, 0.95, 0.94), truth="worse"),
     Scenario("sessions", "A/A, 20-request sticky sessions", (0.95, 0.95, 0.95), session_len=20),
+    # rollout.scope segment: tools should be rolled back, chat and json promoted, each on its own
+    Scenario("tools_segment", "tools −8 pts, others +1.5, segment scope", (0.965, 0.965, 0.87), truth="worse",
+             scope="segment"),
 ]
+ROUTE_SCOPE = tuple(s.name for s in SCENARIOS if s.scope == "route")
 # Sessions: each session has its own completion probability (Beta, intra-session correlation
 # SESSION_ICC) and its own latency level (a SESSION_LATENCY_SHARE of the log-latency variance,
 # in LEVELS equally likely steps); a session's requests all go to one arm and arrive in one batch.
@@ -166,6 +175,14 @@ class Batch:
     latency_pairs: np.ndarray  # shadow latency pairs (R, S, 4, B): stable, candidate, min, max
 
 
+def arm_weights(w: np.ndarray) -> np.ndarray:
+    """Canary weight per run (R,) — every segment alike (scope route) — or per run and segment (R, S)
+    → each arm's share per run, segment and arm (R, S, A)."""
+    w = np.asarray(w, dtype=float)
+    w = np.broadcast_to(w[:, None] if w.ndim == 1 else w, (len(w), len(SEGMENTS)))
+    return np.stack([1.0 - w, w], axis=-1)
+
+
 class Traffic:
     """Per batch, per run: completed-latency histograms and failure counts, per segment and arm; with
     `batch`, also what a shadow sample of the stable's successful requests gives (the candidate and the
@@ -187,9 +204,8 @@ class Traffic:
                                                 for k in range(LEVELS)]) for lat in (STABLE_LAT, scn.latency)])
 
     def draw(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """w: canary weight per run (R,) → hist (R, S, A, B), failed (R, S, A)."""
-        arm_w = np.stack([1.0 - w, w], axis=1)                                   # (R, A)
-        lam = self.lam * SHARES[None, :, None] * arm_w[:, None, :]                # (R, S, A)
+        """w: canary weight per run (R,) or per run and segment (R, S) → hist (R, S, A, B), failed (R, S, A)."""
+        lam = self.lam * SHARES[None, :, None] * arm_weights(w)                   # (R, S, A)
         lam_ok = lam * self.p[None]
         hist = self.rng.poisson(lam_ok[..., None] * self.pb[None, None])          # (R, S, A, B)
         failed = self.rng.poisson(lam * (1.0 - self.p[None]))
@@ -240,8 +256,7 @@ class Traffic:
         """Live traffic in sticky sessions of `session_len` requests, and its shadow sample."""
         rng, L = self.rng, self.scn.session_len
         R = len(w)
-        arm_w = np.stack([1.0 - w, w], axis=1)
-        lam = self.lam * SHARES[None, :, None] * arm_w[:, None, :] / L                 # sessions (R, S, A)
+        lam = self.lam * SHARES[None, :, None] * arm_weights(w) / L                    # sessions (R, S, A)
         k = rng.poisson(lam)
         owner = np.repeat(np.arange(k.size), k.ravel())                               # (r, s, a) of each session
         arm = owner % 2
@@ -354,6 +369,31 @@ def _judge(est, test, v: Variant, bound: float, worse_if: str):
     return interval(test, v.boundary, est, v.alpha_worse, v.alpha_within, bound, worse_if, within_scales=scales)
 
 
+def judged(v: Variant, comp: np.ndarray, hist: np.ndarray, moments: np.ndarray | None, pairs: np.ndarray,
+           lat_pairs: np.ndarray, margin: float) -> tuple[np.ndarray, np.ndarray]:
+    """Every comparison's verdict and whether it gates promotion (both arms ≥ min_samples_per_step), per
+    run: (R, rows), the completion rate in each segment of the arrays' segment axis, then (unless
+    `single`) the latency p95 exceedance in each. Arrays are (R, A, segments, windows, …) for live,
+    (R, segments, windows, …) for the shadow pairs; windows without data in both arms weigh nothing."""
+    need = RO.min_samples_per_step
+    fields = 5 if v.sessions else 2
+    est = PROP.estimate(comp[:, 0, ..., :fields], comp[:, 1, ..., :fields])
+    if v.shadow and not v.single:
+        est = jstats.combine_estimates([est, PAIRS.estimate(pairs, pairs)])
+    c = _judge(est, PROP, v, -margin, "below")
+    verdicts, gates = [c.verdict], [np.minimum(est.n_candidate, est.n_stable) >= need]
+    if not v.single:
+        arms = [hist[:, a] if moments is None else np.concatenate([hist[:, a], moments[:, a]], axis=-1)
+                for a in range(2)]
+        lat = LAT.estimate(*arms)
+        if v.shadow:
+            lat = jstats.combine_estimates([lat, LAT_PAIRS.estimate(lat_pairs[..., 0, :], lat_pairs[..., 1:, :])])
+        lc = _judge(lat, LAT, v, RO.margins.latency_p95_exceedance, "above")
+        verdicts.append(lc.verdict)
+        gates.append(np.minimum(lat.n_candidate, lat.n_stable) >= need)
+    return np.concatenate(verdicts, axis=1), np.concatenate(gates, axis=1)
+
+
 def run_sequential(scn: Scenario, runs: int, rng: np.random.Generator, v: Variant) -> Outcome:
     """The service's tests, combination and rule over `runs` rollouts at once.
 
@@ -362,6 +402,8 @@ def run_sequential(scn: Scenario, runs: int, rng: np.random.Generator, v: Varian
     variant (`single`) is one comparison (overall completion rate, live) at alpha with margin 0 (is the
     candidate worse at all?) and no promotion, watched every batch for the whole horizon — the setting
     in which peeking inflates a fixed-horizon test's error."""
+    if scn.scope == "segment":
+        return run_segment_scope(scn, runs, rng, v)  # type: ignore[return-value]
     traffic = Traffic(scn, rng)
     W, S, A = len(STEPS), len(SEGMENTS), 2
     ids = np.arange(runs)
@@ -399,23 +441,7 @@ def run_sequential(scn: Scenario, runs: int, rng: np.random.Generator, v: Varian
         canary_total += canary_new
 
         segs = slice(S, S + 1) if v.single else slice(0, S + 1)
-        fields = 5 if v.sessions else 2
-        est = PROP.estimate(comp[:, 0, segs, :, :fields], comp[:, 1, segs, :, :fields])
-        if v.shadow and not v.single:
-            est = jstats.combine_estimates([est, PAIRS.estimate(pairs, pairs)])
-        c = _judge(est, PROP, v, -margin, "below")
-        verdicts, gates = [c.verdict], [np.minimum(est.n_candidate, est.n_stable) >= need]
-        if not v.single:
-            arms = [hist[:, a] if moments is None else np.concatenate([hist[:, a], moments[:, a]], axis=-1)
-                    for a in range(A)]
-            lat = LAT.estimate(*arms)
-            if v.shadow:
-                lat = jstats.combine_estimates([lat, LAT_PAIRS.estimate(lat_pairs[..., 0, :], lat_pairs[..., 1:, :])])
-            lc = _judge(lat, LAT, v, RO.margins.latency_p95_exceedance, "above")
-            verdicts.append(lc.verdict)
-            gates.append(np.minimum(lat.n_candidate, lat.n_stable) >= need)
-        verdict = np.concatenate(verdicts, axis=1)
-        gate = np.concatenate(gates, axis=1)
+        verdict, gate = judged(v, comp[:, :, segs], hist, moments, pairs, lat_pairs, margin)
         any_worse = (verdict == WORSE).any(axis=1)
         primary = gate[:, S] if not v.single else gate[:, 0]  # overall completion rate
         promote_ok = primary & ((verdict == WITHIN) | ~gate).all(axis=1) & (not v.single)
@@ -442,6 +468,96 @@ def run_sequential(scn: Scenario, runs: int, rng: np.random.Generator, v: Varian
                 break
     out_samples[ids] = canary_total
     return Outcome(out_dec, out_samples, out_min)
+
+
+# ---- rollout.scope segment -----------------------------------------------------------------------------
+
+SHADOW_STEP = -1                            # a segment's step index while in shadow
+W_SEGMENT = 1 + len(SEGMENTS) * (len(STEPS) + 1)  # evidence windows: the first, then at most one per move
+
+
+def run_segment_scope(scn: Scenario, runs: int, rng: np.random.Generator, v: Variant) -> dict[str, Outcome]:
+    """rollout.scope segment: every segment its own rollout, shadow → steps → promoted or rolled_back.
+
+    As service.judge.segments._verdict does: a segment is decided by decide()'s rule (`rule`) on its
+    own comparisons only (its completion rate is the primary one; `overall` decides nothing and is not
+    computed), with its own phase, step and `since`, and its own samples since then (shadow records
+    against min_shadow_samples in shadow, its live canary requests against min_samples_per_step on a
+    step). Its canary traffic is its own requests at its own weight (0 in shadow and once rolled back,
+    1 once promoted). Evidence windows are the route's, as in service.rollout.book.decide_segments:
+    any segment's move (a step, a promotion, a rollback) opens a new window for all, and each
+    comparison combines every window since the rollout began (windows without data in both arms weigh
+    nothing). One candidate: a rollback rules it out, so the segment ends rolled_back. A run ends
+    when every segment has finished or at the horizon; per segment: its decision, its canary samples
+    and the minute of the decision."""
+    traffic = Traffic(scn, rng)
+    S, W = len(SEGMENTS), W_SEGMENT
+    ids = np.arange(runs)
+    comp = np.zeros((runs, 2, S, W, 5))
+    hist = np.zeros((runs, 2, S, W, NB))
+    moments = np.zeros((runs, 2, S, W, 6)) if scn.session_len and v.sessions else None
+    pairs = np.zeros((runs, S, W, 5))
+    lat_pairs = np.zeros((runs, S, W, 4, NB))
+    win = np.zeros(runs, dtype=int)                  # the route's current evidence window
+    step = np.full((runs, S), SHADOW_STEP)
+    state = np.full((runs, S), HOLD)                 # HOLD: deciding; PROMOTE / ROLLBACK: promoted / rolled_back
+    since = np.zeros((runs, S))
+    in_step = np.zeros((runs, S))                    # the segment's samples since `since`
+    canary_total = np.zeros((runs, S))
+    out_dec = np.full((runs, S), HOLD)
+    out_samples = np.zeros((runs, S))
+    out_min = np.full((runs, S), float(HORIZON_MIN))
+    needed_of = np.array([RO.min_samples_per_step, RO.min_shadow_samples])
+    for b in range(1, int(HORIZON_MIN * 60 / BATCH_S) + 1):
+        t = b * BATCH_S
+        r = np.arange(len(ids))
+        deciding = state == HOLD
+        weight = np.where(state == PROMOTE, 1.0, np.where(deciding & (step >= 0), STEPS[np.maximum(step, 0)], 0.0))
+        bt = traffic.batch(weight, shadow=v.shadow)
+        comp[r, :, :, win] += np.stack([bt.n, bt.x, bt.nn, bt.xn, bt.xx], axis=-1).transpose(0, 2, 1, 3)
+        hist[r, :, :, win] += bt.hist.transpose(0, 2, 1, 3)
+        if moments is not None:
+            moments[r, :, :, win] += bt.moments.transpose(0, 2, 1, 3)
+        pairs[r, :, win] += bt.pairs
+        lat_pairs[r, :, win] += bt.latency_pairs
+        shadow = step == SHADOW_STEP
+        in_step += np.where(shadow, bt.pairs[..., 0], bt.n[:, :, 1])
+        canary_total += bt.n[:, :, 1]
+
+        used = int(win.max()) + 1
+        verdict, gate = judged(v, comp[:, :, :, :used], hist[:, :, :, :used],
+                               moments[:, :, :, :used] if moments is not None else None, pairs[:, :, :used],
+                               lat_pairs[:, :, :used], RO.margins.completion_rate)
+        verdict, gate = verdict.reshape(-1, 2, S), gate.reshape(-1, 2, S)    # (R, metric, segment)
+        any_worse = (verdict == WORSE).any(axis=1)
+        promote_ok = gate[:, 0] & ((verdict == WITHIN) | ~gate).all(axis=1)
+        age = t - since
+        step_ready = (in_step >= needed_of[shadow.astype(int)]) & (age >= RO.min_step_seconds)
+        code = rule(any_worse, step_ready, step == len(STEPS) - 1, promote_ok, age > RO.max_step_seconds,
+                    RO.on_inconclusive == "rollback")
+        code = np.where(deciding, code, HOLD)
+        moved = code != HOLD
+        step[code == STEP] += 1
+        finished = moved & (code != STEP)
+        state[finished] = code[finished]
+        since[moved] = t
+        in_step[moved] = 0
+        win += moved.any(axis=1)
+        ri, si = np.nonzero(finished)
+        out_dec[ids[ri], si] = code[ri, si]
+        out_samples[ids[ri], si] = canary_total[ri, si]
+        out_min[ids[ri], si] = t / 60.0
+        over = (state != HOLD).all(axis=1)
+        if over.any():
+            keep = ~over
+            ids, comp, hist, pairs, lat_pairs = ids[keep], comp[keep], hist[keep], pairs[keep], lat_pairs[keep]
+            moments = moments[keep] if moments is not None else None
+            win, step, state, since = win[keep], step[keep], state[keep], since[keep]
+            in_step, canary_total = in_step[keep], canary_total[keep]
+            if len(ids) == 0:
+                break
+    out_samples[ids] = np.where(state == HOLD, canary_total, out_samples[ids])
+    return {name: Outcome(out_dec[:, s], out_samples[:, s], out_min[:, s]) for s, name in enumerate(SEGMENTS)}
 
 
 # ---- Flagger-style -------------------------------------------------------------------------------------
@@ -561,10 +677,11 @@ class Judge:
     name: str
     title: str
     run: object
-    scenarios: tuple[str, ...] = field(default_factory=lambda: tuple(s.name for s in SCENARIOS))
+    scenarios: tuple[str, ...] = ROUTE_SCOPE
 
 
-INDEPENDENT = tuple(s.name for s in SCENARIOS if not s.session_len)  # what the interval judges simulate
+INDEPENDENT = tuple(s.name for s in SCENARIOS if not s.session_len and s.scope == "route")  # the interval judges'
+SEGMENT_SCOPE = tuple(s.name for s in SCENARIOS if s.scope == "segment")                   # ours only
 ABLATION = ("aa", "drop5", "margin", "sessions")  # where each change of issue 15 shows
 
 def judges() -> list[Judge]:
@@ -572,7 +689,7 @@ def judges() -> list[Judge]:
         return lambda s, n, g: run_sequential(s, n, g, v)
     fixed = FixedBoundary()
     return [
-        Judge("ours", "ours (IUT promotion, paired shadow, sessions)", seq(Variant())),
+        Judge("ours", "ours (IUT promotion, paired shadow, sessions)", seq(Variant()), ROUTE_SCOPE + SEGMENT_SCOPE),
         Judge("before", "before issue 15 (α/K both sides, live only)", seq(BEFORE), ABLATION),
         Judge("iut", "before + IUT promotion (full α, one-sided)",
               seq(Variant(alpha_worse=ALPHA_EACH_BEFORE, shadow=False, sessions=False)), ABLATION),
@@ -614,7 +731,8 @@ def markdown(results: dict) -> str:
 
 def targets(results: dict) -> list[tuple[str, bool, str]]:
     """Issue 15's targets for our judge (and the calibration of one comparison)."""
-    by = {(r["judge"], r["scenario"]): r["summary"] for r in results["rows"]}
+    by = {(r["judge"], r["scenario"]): r["summary"] for r in results["rows"] if "segment" not in r}
+    by_segment = {(r["judge"], r["scenario"], r["segment"]): r for r in results["rows"] if "segment" in r}
     out = []
 
     def rate(x: float) -> str:
@@ -638,6 +756,20 @@ def targets(results: dict) -> list[tuple[str, bool, str]]:
     if tl:
         out.append(("tools −8 pts, others +1.5 rolled back in 100% (route scope)", tl["rollback_rate"] == 1.0,
                     rate(tl["rollback_rate"])))
+    seg = {name: by_segment.get(("ours", "tools_segment", name)) for name in SEGMENTS}
+    if all(seg.values()):
+        tl, ch, js = (seg[name]["summary"] for name in ("tools", "chat", "json"))
+
+        def median(x):
+            return f"median {fmt_num(x)} min"
+
+        out.append(("tools −8 pts, others +1.5 in segment scope: tools rolled back ≥ 99%, chat and json "
+                    "promoted ≥ 90% within 3 h",
+                    tl["rollback_rate"] >= 0.99 and ch["promote_rate"] >= 0.90 and js["promote_rate"] >= 0.90,
+                    f"tools rolled back {rate(tl['rollback_rate'])} ({median(tl['median_minutes_to_rollback'])}), "
+                    f"chat promoted {rate(ch['promote_rate'])} ({median(ch['median_minutes_to_promote'])}), "
+                    f"json promoted {rate(js['promote_rate'])} ({median(js['median_minutes_to_promote'])}); "
+                    f"all three in one run {rate(seg['tools']['all_as_intended_rate'])}, {tl['runs']} runs"))
     d5 = by.get(("ours", "drop5"))
     before = by.get(("before", "drop5"))
     if d5:
@@ -660,6 +792,26 @@ def targets(results: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
+def row_key(row: dict) -> tuple:
+    return row["judge"], row["scenario"], row.get("segment")
+
+
+def merged(old: dict, new: dict) -> dict:
+    """`old` (a full run's JSON) with the rows of `new` replacing those of the same judge, scenario and
+    segment, or added; the other rows, the config and the total time stay `old`'s; each row run here
+    is listed in `reruns` with its runs and seed."""
+    fresh = {row_key(r): r for r in new["rows"]}
+    rows = [fresh.pop(row_key(r), r) for r in old["rows"]]
+    rows += list(fresh.values())
+    done = {row_key(r) for r in new["rows"]}
+    reruns = [x for x in old.get("reruns", []) if (x["judge"], x["scenario"], x.get("segment")) not in done]
+    why = (f"run on its own with --merge (seed {new['config']['seed']}, the scenario's own generator as in the "
+           "full run); the other rows are unchanged")
+    reruns += [{"judge": r["judge"], "scenario": r["scenario"], **({"segment": r["segment"]} if "segment" in r else {}),
+                "runs": r["summary"]["runs"], "seconds": r["seconds"], "why": why} for r in new["rows"]]
+    return old | {"scenarios": new["scenarios"], "rows": rows, "reruns": reruns}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=1000, help="runs per judge and scenario (A/A: twice as many)")
@@ -667,7 +819,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=20240601)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "judge_quality.json"))
     ap.add_argument("--only", default=None, help="comma-separated judges to run (default all)")
-    ap.add_argument("--scenarios", default=None, help="comma-separated scenarios to run (default all)")
+    ap.add_argument("--scenarios", default=None, help="comma-separated scenarios to run (default all); "
+                    "tools_segment: the tools scenario in rollout.scope segment (ours only)")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace or add only the rows run here in the existing --out JSON (targets recomputed)")
     args = ap.parse_args(argv)
     runs = 200 if args.quick else args.runs
     chosen = set(args.only.split(",")) if args.only else None
@@ -684,12 +839,27 @@ def main(argv: list[str] | None = None) -> int:
             rng = np.random.default_rng([args.seed, i])  # same traffic seed for every judge
             t0 = time.time()
             outcome = j.run(scn, n, rng)
-            summary = outcome.summary()
-            rows.append({"judge": j.name, "judge_title": j.title, "scenario": scn.name,
-                         "scenario_title": scn.title, "truth": scn.truth, "seconds": round(time.time() - t0, 2),
-                         "summary": summary})
-            print(f"  {j.name:<11} {scn.name:<8} {n:>5} runs  rollback {fmt_rate(summary['rollback_rate']):>6}  "
-                  f"promote {fmt_rate(summary['promote_rate']):>6}  ({time.time() - t0:.1f} s)", file=sys.stderr)
+            seconds = round(time.time() - t0, 2)
+            base = {"judge": j.name, "judge_title": j.title, "scenario": scn.name}
+            if isinstance(outcome, dict):  # rollout.scope segment: one row per segment
+                intended = np.ones(n, dtype=bool)
+                for s, name in enumerate(SEGMENTS):
+                    worse = scn.completion[s] < STABLE_COMPLETION
+                    intended &= outcome[name].decision == (ROLLBACK if worse else PROMOTE)
+                for s, name in enumerate(SEGMENTS):
+                    p = scn.completion[s]
+                    truth = "worse" if p < STABLE_COMPLETION else "better" if p > STABLE_COMPLETION else "same"
+                    rows.append(base | {"segment": name, "scenario_title": f"{scn.title}: segment {name}",
+                                        "truth": truth, "seconds": seconds, "summary": outcome[name].summary(),
+                                        "all_as_intended_rate": float(intended.mean())})
+            else:
+                rows.append(base | {"scenario_title": scn.title, "truth": scn.truth, "seconds": seconds,
+                                    "summary": outcome.summary()})
+            for row in rows[-(len(SEGMENTS) if isinstance(outcome, dict) else 1):]:
+                summary = row["summary"]
+                where = scn.name + (f":{row['segment']}" if "segment" in row else "")
+                print(f"  {j.name:<11} {where:<8} {n:>5} runs  rollback {fmt_rate(summary['rollback_rate']):>6}  "
+                      f"promote {fmt_rate(summary['promote_rate']):>6}  ({seconds:.1f} s)", file=sys.stderr)
     results = {
         "benchmark": "judge_quality",
         "seconds": round(time.time() - started, 1),
@@ -707,15 +877,18 @@ def main(argv: list[str] | None = None) -> int:
         "scenarios": [s.__dict__ for s in SCENARIOS],
         "rows": rows,
     }
-    results["targets"] = [{"target": t, "met": ok, "value": v} for t, ok, v in targets(results)]
     out = Path(args.out)
+    if args.merge and out.exists():
+        results = merged(json.loads(out.read_text()), results)
+    results["targets"] = [{"target": t, "met": ok, "value": v} for t, ok, v in targets(results)]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=float))
     print(markdown(results))
     print()
     for t, ok, v in targets(results):
         print(f"- [{'x' if ok else ' '}] {t}: {v}")
-    print(f"\n{results['seconds']} s; JSON: {out}")
+    print(f"\n{time.time() - started:.1f} s" + (f" (merged into the full run's, {results['seconds']} s)" if args.merge else "")
+          + f"; JSON: {out}")
     return 0
 
 

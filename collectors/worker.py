@@ -59,7 +59,7 @@ from service.records import (
 )
 from service.upstream import make_providers
 from service.upstream.base import Provider
-from service.upstream.model_settings import model_body, settings_record
+from service.upstream.model_settings import settings_record
 from service.upstream.retry import RetryBudget, send_with_retries
 
 log = logging.getLogger("modelcanary.shadow")
@@ -133,7 +133,7 @@ class ShadowClient:
             rc = config.routes.get(route)
             checks = rc.checks if rc is not None else Checks()
         fmt = self.format_of(model_key, body)
-        asked = model_body(body, model) if fmt is CHAT else body  # the model's own settings, as live calls get them
+        asked = fmt.model_body(body, model)  # the model's own settings, as live calls get them
         data = json.dumps(shadow_body(asked, model.name, fmt), separators=(",", ":"), ensure_ascii=False).encode()
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         auth = provider.auth_header(None)  # the provider's own key; shadow calls never carry a client's
@@ -439,9 +439,10 @@ class ShadowWorker:
         rc = config.routes[route]
         candidate_key = candidate.model
         request = event.request
-        live = self.client.format_of(stable_key, request).chat_view(event.primary.body)
+        fmt = self.client.format_of(stable_key, request)
+        live = fmt.chat_view(event.primary.body)
         caller = ShareCaller(self.client, candidate_key) if len(rc.candidates) > 1 else self.client
-        ctx = EvalContext(config=config, route=route, route_cfg=rc, event=event, request=request,
+        ctx = EvalContext(config=config, route=route, route_cfg=rc, event=event, request=request, view=fmt.view(request),
                           live=live, candidate=candidate, stable_again=stable_again,
                           caller=caller, embedder=self.embedders.for_route(rc))
         measured = await measure(ctx)

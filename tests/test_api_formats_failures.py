@@ -47,11 +47,21 @@ def stack(tmp_path_factory):
     sim.stop()
 
 
+def _count(proxy, model: str, cause: str) -> float:
+    """Requests counted for `cause`: failures, except the client's own cap (`max_tokens`), which is a
+    completed answer, outside every failure count."""
+    text = scrape(proxy.url)
+    if cause == "max_tokens":
+        assert metric_value(text, "modelcanary_failures_total", model=model, cause=cause) == 0
+        return metric_value(text, "modelcanary_requests_total", model=model, outcome="completed")
+    return metric_value(text, "modelcanary_failures_total", model=model, cause=cause)
+
+
 def _failures(proxy, model: str, cause: str, above: float) -> float:
-    """The failure count, once it is above `above` (or after 10 s)."""
+    """The count of `cause`, once it is above `above` (or after 10 s)."""
     deadline = time.monotonic() + 10
     while True:
-        value = metric_value(scrape(proxy.url), "modelcanary_failures_total", model=model, cause=cause)
+        value = _count(proxy, model, cause)
         if value > above or time.monotonic() > deadline:
             return value
         time.sleep(0.05)
@@ -80,7 +90,7 @@ def test_responses_failures_are_attributed(stack, sim_model, request_body, cause
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
     if stream and cause == "bad_response":
         cause = "connection_error"  # streamed, the simulator's cut-off answer ends with the connection dropped
-    before = metric_value(scrape(proxy.url), "modelcanary_failures_total", model=model, cause=cause)
+    before = _count(proxy, model, cause)
     try:
         if stream:
             events = list(client.responses.create(model=model, stream=True, **request_body))
@@ -116,7 +126,7 @@ def test_messages_failures_are_attributed(stack, sim_model, extra, cause, stream
     body = {"max_tokens": 200, "messages": [{"role": "user", "content": "weather in Bern?"}], **extra}
     if stream and cause == "bad_response":
         cause = "connection_error"  # streamed, the simulator's cut-off answer ends with the connection dropped
-    before = metric_value(scrape(proxy.url), "modelcanary_failures_total", model=model, cause=cause)
+    before = _count(proxy, model, cause)
     try:
         if stream:
             with client.messages.stream(model=model, **body) as s:

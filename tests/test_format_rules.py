@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from service.config import Checks, ConfigError, parse_config
+from service.config import Checks, ConfigError, ModelConfig, parse_config
 from service.proxy.formats import MESSAGES, RESPONSES, format_of
 from service.proxy.outcome import CAUSE_BLAME
 from service.proxy.segments import classify_segment
@@ -207,3 +207,40 @@ def test_a_route_mixing_provider_apis_is_refused_naming_it():
     with pytest.raises(ConfigError) as e:
         parse_config(cfg)
     assert e.value.problems[0].startswith("providers.an.api: ")
+
+
+# ---- a model's settings in each format -------------------------------------------------------------
+
+
+def test_model_settings_map_onto_responses_fields():
+    model = ModelConfig(provider="p", name="up", system_prompt="Be terse.",
+                        params={"max_tokens": 7, "reasoning_effort": "low", "temperature": 0.2, "seed": 1})
+    client = {"model": "route", "input": "hi", "instructions": "Mine.", "max_output_tokens": 50,
+              "reasoning": {"summary": "auto"}}
+    body = RESPONSES.model_body(client, model)
+    assert body == {"model": "up", "input": "hi", "instructions": "Be terse.\n\nMine.", "max_output_tokens": 7,
+                    "reasoning": {"summary": "auto", "effort": "low"}, "temperature": 0.2}  # no seed in Responses
+    assert client["model"] == "route" and client["instructions"] == "Mine."  # the client's request is left as it was
+    assert RESPONSES.model_body({"input": "hi"}, ModelConfig(provider="p", name="up", system_prompt="S"))[
+        "instructions"] == "S"
+
+
+def test_model_settings_map_onto_messages_fields():
+    model = ModelConfig(provider="p", name="up", system_prompt="Be terse.",
+                        params={"max_completion_tokens": 9, "stop": "END", "top_p": 0.5, "seed": 1})
+    client = {"model": "route", "max_tokens": 100, "system": "Mine.", "messages": [{"role": "user", "content": "hi"}]}
+    body = MESSAGES.model_body(client, model)
+    assert body == {"model": "up", "max_tokens": 9, "stop_sequences": ["END"], "top_p": 0.5,
+                    "system": [{"type": "text", "text": "Be terse."}, {"type": "text", "text": "Mine."}],
+                    "messages": client["messages"]}
+    assert MESSAGES.model_body({"max_tokens": 5, "messages": []}, ModelConfig(provider="p", name="up",
+                                                                             system_prompt="S"))["system"] == "S"
+
+
+def test_a_cap_the_client_set_is_a_completed_answer_in_every_format():
+    capped = RESPONSES.classify(RESPONSES.view({"input": "hi", "max_output_tokens": 16}),
+                                _response("incomplete", incomplete_details={"reason": "max_output_tokens"}), CHECKS)
+    assert (capped.outcome, capped.cause, capped.blame) == ("completed", "max_tokens", "client")
+    message = {"type": "message", "content": [{"type": "text", "text": "a b c"}], "stop_reason": "max_tokens"}
+    capped = MESSAGES.classify(MESSAGES.view({"max_tokens": 3, "messages": []}), message, CHECKS)
+    assert (capped.outcome, capped.cause, capped.blame) == ("completed", "max_tokens", "client")

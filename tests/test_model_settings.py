@@ -12,6 +12,7 @@ import subprocess
 import time
 import uuid
 
+import anthropic
 import openai
 import pytest
 
@@ -31,6 +32,8 @@ CANDIDATE_PROMPT = "You are the terse candidate."
 
 
 def settings_config(sim_url: str, **route) -> dict:
+    if "shadow" in route:  # no stability repeats: each test counts the calls upstream
+        route["shadow"] = {"stability": {"sample_rate": 0.0}, **route["shadow"]}
     return {
         "providers": {"sim": {"base_url": sim_url + "/v1", "timeout_s": 5, "max_retries": 0}},
         "models": {
@@ -44,10 +47,10 @@ def settings_config(sim_url: str, **route) -> dict:
     }
 
 
-def upstream_bodies(raw: bytes) -> list[dict]:
-    """The JSON bodies of the chat requests in bytes captured on their way upstream."""
+def upstream_bodies(raw: bytes, path: bytes = b"/v1/chat/completions") -> list[dict]:
+    """The JSON bodies of the requests to `path` in bytes captured on their way upstream."""
     out = []
-    for head in re.finditer(rb"POST /v1/chat/completions HTTP/1\.1\r\n(.*?)\r\n\r\n", raw, re.DOTALL):
+    for head in re.finditer(rb"POST " + re.escape(path) + rb" HTTP/1\.1\r\n(.*?)\r\n\r\n", raw, re.DOTALL):
         length = int(re.search(rb"(?i)content-length: (\d+)", head.group(1)).group(1))
         out.append(json.loads(raw[head.end():head.end() + length]))
     return out
@@ -80,6 +83,52 @@ def test_settings_reach_the_upstream_on_live_shadow_and_noise_floor_calls(server
     assert len(stable) == 2 * n and len(candidate) == n  # live + noise floor on v1; the shadow on v2
     assert all(b["temperature"] == 0.1 and b["max_tokens"] == 50 for b in stable)  # the client's cap kept
     assert all(b["temperature"] == 0.9 and b["max_tokens"] == 5 for b in candidate)  # params override
+
+
+OWN_SYSTEM = "Answer in English."
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_settings_reach_the_upstream_in_the_responses_and_messages_formats(servers, api):
+    sim = servers.simulator(sim_config())
+    fault = FaultProxy("127.0.0.1", sim.port, capture_bytes=8 * 1024 * 1024).start()
+    try:
+        cfg = settings_config(fault.url, shadow={"sample_rate": 1.0})
+        if api == "messages":
+            cfg["providers"]["sim"]["api"] = "anthropic"
+        proxy = servers.proxy(cfg)
+        n = 3
+        for i in range(n):
+            if api == "responses":
+                openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0).responses.create(
+                    model=ROUTE, input=f"question {i}", instructions=OWN_SYSTEM, temperature=0.7,
+                    max_output_tokens=50)
+            else:
+                anthropic.Anthropic(base_url=proxy.url, api_key="sk-client", max_retries=0).messages.create(
+                    model=ROUTE, max_tokens=50, system=OWN_SYSTEM, extra_body={"temperature": 0.7},
+                    messages=[{"role": "user", "content": f"question {i}"}])
+        path = f"/v1/{api}".encode()
+        deadline = time.monotonic() + 60  # the shadow workers' child process may take seconds to start
+        bodies = upstream_bodies(bytes(fault.captured), path)
+        while len(bodies) < 3 * n and time.monotonic() < deadline:  # live, candidate, stable again
+            time.sleep(0.1)
+            bodies = upstream_bodies(bytes(fault.captured), path)
+    finally:
+        fault.stop()
+    assert len(bodies) == 3 * n, bodies
+    cap = "max_output_tokens" if api == "responses" else "max_tokens"
+    if api == "responses":
+        prompts = [b["instructions"].removesuffix("\n\n" + OWN_SYSTEM) for b in bodies]
+        assert all(b["instructions"].endswith("\n\n" + OWN_SYSTEM) for b in bodies)  # the client's own after it
+    else:
+        assert all([block["text"] for block in b["system"]][1:] == [OWN_SYSTEM] for b in bodies)
+        prompts = [b["system"][0]["text"] for b in bodies]
+    stable = [b for b, prompt in zip(bodies, prompts, strict=True) if prompt == STABLE_PROMPT]
+    candidate = [b for b, prompt in zip(bodies, prompts, strict=True) if prompt == CANDIDATE_PROMPT]
+    assert len(stable) == 2 * n and len(candidate) == n  # live + noise floor on v1; the shadow on v2
+    assert all(b["model"] == "good-model" for b in bodies)
+    assert all(b["temperature"] == 0.1 and b[cap] == 50 for b in stable)  # the client's cap kept
+    assert all(b["temperature"] == 0.9 and b[cap] == 5 for b in candidate)  # params override
 
 
 def test_evaluation_repro_records_both_arms_settings(servers):

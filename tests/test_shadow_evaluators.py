@@ -26,6 +26,7 @@ from collectors.similarity import local_embedder
 from collectors.worker import shadow_body
 from service.config import parse_config
 from service.judge.shadow_report import ShadowStats, newcombe, quantile_interval, wilson
+from service.proxy.formats import RESPONSES
 from service.proxy.outcome import COMPLETED, failed
 from service.records import (
     Agreement,
@@ -106,13 +107,13 @@ class RuleJudge:
 
 
 def context(candidate: dict | None, verdict=COMPLETED, live: dict | None = None, again: dict | None = None,
-            caller=None, request: dict | None = None) -> EvalContext:
+            caller=None, request: dict | None = None, view: dict | None = None) -> EvalContext:
     request = request or {"model": "r", "messages": [{"role": "user", "content": "hi"}]}
     event = TrafficEvent(request_id="rid-1", ts=time.time(), route="r", segment="chat", request=request,
                          primary=PrimaryResult(model="s", status=200, body=live, latency_s=0.1, outcome="completed"),
                          config_version="v")
     return EvalContext(config=CONFIG, route="r", route_cfg=CONFIG.routes["r"], event=event, request=request,
-                       live=live, candidate=ShadowCall("c", verdict, response=candidate),
+                       view=request if view is None else view, live=live, candidate=ShadowCall("c", verdict, response=candidate),
                        stable_again=ShadowCall("s", COMPLETED, response=again) if again is not None else None,
                        caller=caller or ScriptedCaller([]), embedder=local_embedder())
 
@@ -215,6 +216,19 @@ def test_judge_request_and_failed_calls():
     params = repro_params(CONFIG.routes["r"].shadow.judge)
     assert params["judge_model"] == "j" and params["judge_prompt_version"] == PROMPT_VERSION
     assert params["judge_params"] == {"temperature": 0} and len(params["judge_rubric_sha256"]) == 12
+
+
+def test_evaluators_read_a_responses_request_through_its_chat_view():
+    request = {"model": "r", "instructions": "Answer in JSON.", "input": "Capital of France?",
+               "text": {"format": {"type": "json_schema", "name": "city", "schema": {"type": "object"}}}}
+    caller = ScriptedCaller([None, None])
+    ctx = context(text("Paris"), live=text('{"city": "Paris"}'), caller=caller, request=request,
+                  view=RESPONSES.view(request))
+    run(JudgeEvaluator().evaluate(ctx))
+    shown = caller.bodies[0]["messages"][1]["content"]
+    assert "Capital of France?" in shown and "Answer in JSON." in shown and "json_schema" in shown
+    # `text.format` asked for JSON: an answer that is not JSON scores 0 against one that is
+    assert run(measure(ctx)).similarity.candidate_vs_stable == 0.0
 
 
 def test_stability_is_mean_pairwise_similarity_for_both_models():

@@ -4,6 +4,8 @@ On the proxy's event loop only: reading sampled traffic from the bus (as the in-
 did) and a non-blocking put of its JSON on the child's bounded queue. A thread reads what the
 child sends back and hands each record to the loop (`call_soon_threadsafe`) for the bus.
 A child that dies is replaced after a pause (RESTART_S, growing while children keep dying early).
+A reload starts a child on the new config and stops the old one; the subscription stays, so
+traffic sampled while the new child starts waits on its queue instead of being lost.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from service import metrics
 from service.bus import EventBus
 from service.config import Config
 from service.records import TrafficEvent, load
-from service.upstream.base import Provider
 
 log = logging.getLogger("modelcanary.shadow")
 
@@ -45,6 +46,7 @@ class ShadowChild:
         self.traffic.cancel_join_thread()  # never wait at exit for a child that does not read
         self.results = ctx.Queue()
         self.relay = relay
+        self.key = id(self)
         self.started = time.monotonic()
         self.process = ctx.Process(target=child_main.main, name="modelcanary-shadow", daemon=True,
                                    args=(config, self.traffic, self.results, os.getpid()))
@@ -74,14 +76,14 @@ class ShadowChild:
             except (EOFError, OSError, ValueError):
                 break
             if kind == "metrics":
-                self.relay.update(payload)
+                self.relay.update(self.key, payload)
                 continue
             try:
                 record = load(json.loads(payload))
                 loop.call_soon_threadsafe(bus.publish, "evaluations", record)
             except (ValueError, RuntimeError):  # a bad record, or the loop is closed (shutting down)
                 log.exception("a record from the shadow child could not be published")
-        self.relay.child_ended()
+        self.relay.child_ended(self.key)
 
     async def stop(self) -> None:
         """Ask the child to finish (STOP on its queue), then wait for it; kill it if it takes too long."""
@@ -102,38 +104,48 @@ async def _pause(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), seconds)
 
 
-async def run_in_child(config: Config, bus: EventBus, providers: dict[str, Provider], tracing: object | None,
-                       stop: asyncio.Event) -> None:
-    """Memory mode's ShadowRunner: shadow workers in a child process until `stop` is set (the
-    child makes its own providers and tracing from the config)."""
-    if not any(rc.candidate for rc in config.routes.values()):
-        log.info("no route has a candidate; no shadow child")
-        await stop.wait()
-        return
+def _has_candidate(config: Config) -> bool:
+    return any(rc.candidate for rc in config.routes.values())
+
+
+async def run_in_child(config: Config, bus: EventBus, stop: asyncio.Event, reloads: asyncio.Queue[Config]) -> None:
+    """Memory mode's ShadowRunner: shadow workers in a child process until `stop` is set; each config
+    put on `reloads` replaces the child (the child makes its own providers and tracing from it)."""
     relay = install()
     loop = asyncio.get_running_loop()
     sub = bus.subscribe(["traffic"], group=GROUP)
     child: ShadowChild | None = None
+    stopping: set[asyncio.Task] = set()
     deaths = 0
+    if not _has_candidate(config):
+        log.info("no route has a candidate; no shadow child")
     try:
         while not stop.is_set():
-            if child is None or not child.alive:
-                if child is not None:
-                    lived = time.monotonic() - child.started
-                    deaths = 0 if lived > HEALTHY_S else deaths + 1
-                    log.warning("the shadow child exited (code %s) after %.0f s; a new one starts in %.0f s",
-                                child.process.exitcode, lived, RESTART_S[min(deaths, len(RESTART_S) - 1)])
-                    await child.stop()
-                    await _pause(stop, RESTART_S[min(deaths, len(RESTART_S) - 1)])
-                    if stop.is_set():
-                        child = None
-                        break
+            if child is not None and not child.alive:
+                lived = time.monotonic() - child.started
+                deaths = 0 if lived > HEALTHY_S else deaths + 1
+                log.warning("the shadow child exited (code %s) after %.0f s; a new one starts in %.0f s",
+                            child.process.exitcode, lived, RESTART_S[min(deaths, len(RESTART_S) - 1)])
+                await child.stop()
+                child = None
+                await _pause(stop, RESTART_S[min(deaths, len(RESTART_S) - 1)])
+                continue
+            events = await sub.get_batch(BATCH, POLL_S)
+            while not reloads.empty():  # before offering: what was read may have been sampled after it
+                config = reloads.get_nowait()
+                if child is not None:  # its queue holds traffic sampled under the old config
+                    task = loop.create_task(child.stop())
+                    stopping.add(task)
+                    task.add_done_callback(stopping.discard)
+                    child, deaths = None, 0
+            if child is None and _has_candidate(config):
                 child = ShadowChild(config, bus, relay, loop)
                 log.info("shadow workers run in a child process (pid %d)", child.process.pid)
-            for event in await sub.get_batch(BATCH, POLL_S):
-                if isinstance(event, TrafficEvent):
+            for event in events:
+                if isinstance(event, TrafficEvent) and child is not None:
                     child.offer(event)
     finally:
         await sub.close()
         if child is not None:
             await child.stop()
+        await asyncio.gather(*stopping, return_exceptions=True)

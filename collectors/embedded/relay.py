@@ -49,16 +49,15 @@ class ChildMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ended: Snapshot = {}   # children that are gone
-        self._live: Snapshot = {}    # the running child's latest snapshot
+        self._live: dict[int, Snapshot] = {}  # each running child's latest snapshot (a reload overlaps two)
 
-    def update(self, snap: Snapshot) -> None:
+    def update(self, child: int, snap: Snapshot) -> None:
         with self._lock:
-            self._live = snap
+            self._live[child] = snap
 
-    def child_ended(self) -> None:
+    def child_ended(self, child: int) -> None:
         with self._lock:
-            _add(self._ended, self._live)
-            self._live = {}
+            _add(self._ended, self._live.pop(child, {}))
 
     def describe(self):
         for metric in WORKER_METRICS:
@@ -68,7 +67,8 @@ class ChildMetrics:
         with self._lock:
             children: Snapshot = {}
             _add(children, self._ended)
-            _add(children, self._live)
+            for snap in self._live.values():
+                _add(children, snap)
         for metric in WORKER_METRICS:
             for family, values in _samples(metric):
                 for key, value in children.get(family.name, {}).items():

@@ -33,7 +33,7 @@ async def measure(ctx: EvalContext) -> Measured:
     known = ctx.extra.get("similarity")
     if known is not None:
         return known
-    as_json = wants_json(ctx.request)
+    as_json = wants_json(ctx.view)
     live = answer_of_completion(ctx.live, as_json)
     candidate = answer_of_completion(ctx.candidate.response, as_json)
     again = answer_of_completion(ctx.stable_again.response, as_json) if ctx.stable_again is not None else None

@@ -60,6 +60,7 @@ class EvalContext:
     route_cfg: RouteConfig
     event: TrafficEvent
     request: dict                   # the live request body (as the client sent it, credentials never included)
+    view: dict                      # the request shaped like a chat request (ApiFormat.view): what evaluators read
     live: dict | None               # the live stable answer
     candidate: ShadowCall
     stable_again: ShadowCall | None

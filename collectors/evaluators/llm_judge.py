@@ -155,7 +155,7 @@ class JudgeEvaluator:
                 and sampled("judge", ctx.request_id, judge.sample_rate))
 
     async def _one_order(self, ctx: EvalContext, judge: JudgeModelConfig, a: dict | None, b: dict | None) -> str:
-        call = await ctx.caller.call(ctx.route, judge.model, pairwise_request(judge.rubric, ctx.request, a, b),
+        call = await ctx.caller.call(ctx.route, judge.model, pairwise_request(judge.rubric, ctx.view, a, b),
                                      checks=Checks())
         if call.response is None:
             raise MalformedVerdict(f"judge call failed: {call.verdict.cause}")

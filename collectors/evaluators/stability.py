@@ -36,7 +36,7 @@ class StabilityEvaluator:
         asks = [(candidate, k - 1), (ctx.stable_model, k - len(stable))]
         calls = await asyncio.gather(*(ctx.caller.call(ctx.route, key, ctx.request)
                                        for key, n in asks for _ in range(n)))
-        as_json = wants_json(ctx.request)
+        as_json = wants_json(ctx.view)
         replies = {"candidate": [ctx.candidate.response] + [c.response for c in calls[:k - 1]],
                    "stable": stable + [c.response for c in calls[k - 1:]]}
         scores: dict[str, float | None] = {}

@@ -115,8 +115,8 @@ class CaseChecksEvaluator:
     async def evaluate(self, ctx: EvalContext) -> EvaluationResult:
         checks = self.checks[ctx.request_id]
         agree_at = ctx.route_cfg.shadow.similarity.agree_at
-        mine = await verdict(checks, ctx.request, ctx.candidate.response, ctx.embedder, agree_at)
+        mine = await verdict(checks, ctx.view, ctx.candidate.response, ctx.embedder, agree_at)
         if ctx.stable_again is not None:
-            theirs = await verdict(checks, ctx.request, ctx.stable_again.response, ctx.embedder, agree_at)
+            theirs = await verdict(checks, ctx.view, ctx.stable_again.response, ctx.embedder, agree_at)
             self.stable[ctx.request_id] = theirs.passed
         return EvaluationResult(name=self.name, version=self.version, passed=mine.passed, detail=mine.detail)

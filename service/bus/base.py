@@ -20,7 +20,9 @@ def record_key(topic: Topic, record: Record) -> str:
     rollouts and reports, one key for control."""
     if topic == "control":
         return LEADER_KEY
-    return record.route if topic in ("rollouts", "reports") else record.request_id
+    # `Record` itself has no fields; every record type published on these topics has this one (records.py)
+    key: str = getattr(record, "route" if topic in ("rollouts", "reports") else "request_id")
+    return key
 
 
 class Subscription(Protocol):

@@ -26,17 +26,17 @@ from pathlib import Path
 from typing import BinaryIO
 
 from service import metrics
-from service.bus.base import TOPICS
+from service.bus.base import TOPICS, Topic
 
 log = logging.getLogger("modelcanary.bus.spool")
 
 _SEGMENT = re.compile(r"^seg-(\d{12})\.log$")
-_TOPICS = {t.encode() for t in TOPICS}
+_TOPICS: dict[bytes, Topic] = {t.encode(): t for t in TOPICS}
 
 
 @dataclass(frozen=True)
 class SpoolEntry:
-    topic: str
+    topic: Topic
     key: str
     value: bytes
 
@@ -82,7 +82,7 @@ def decode_line(line: bytes) -> SpoolEntry | None:
         return None
     if not isinstance(key, str):
         return None
-    return SpoolEntry(parts[0].decode(), key, parts[2])
+    return SpoolEntry(_TOPICS[parts[0]], key, parts[2])
 
 
 class Spool:

@@ -119,6 +119,28 @@ class LlamaProcess:
     def aliases(self) -> list[str]:
         return [m["model_alias"] for m in self.config["models"]]
 
+    @property
+    def chat_model(self) -> str:
+        """The alias with the model's own chat template."""
+        return CHAT_ALIAS
+
+    @property
+    def tools_model(self) -> str:
+        """The alias with chat_format chatml-function-calling."""
+        return TOOLS_ALIAS
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.config["models"][0]["n_ctx"])
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.config["models"][0]["model"])
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -167,7 +189,7 @@ def _free_port() -> int:
 
 
 def start(directory: str | Path, models: Sequence[dict] | None = None, *, n_ctx: int = DEFAULT_N_CTX,
-          timeout: float = 60.0, **server_settings) -> LlamaProcess:
+          timeout: float = 60.0, process_class: type[LlamaProcess] = LlamaProcess, **server_settings) -> LlamaProcess:
     """Start llama_cpp.server with `models` (default: SmolLM2 as `smollm2` and `smollm2-tools`)."""
     missing = missing_components()
     if missing:
@@ -191,7 +213,7 @@ def start(directory: str | Path, models: Sequence[dict] | None = None, *, n_ctx:
             process = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--config_file", str(config_path)],
                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                        cwd=directory, start_new_session=True)
-        server = LlamaProcess(port, process, config_path, log_path, config)
+        server = process_class(port, process, config_path, log_path, config)
         try:
             server.wait_ready(timeout)
         except LlamaServerError as e:

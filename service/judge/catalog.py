@@ -93,7 +93,8 @@ class MetricSpec:
         return (first, *self.also)
 
 
-def _live(name: str, label: str, field: str, test: JudgeTest, bound: float, worse_if, unit, margin) -> MetricSpec:
+def _live(name: str, label: str, field: str, test: JudgeTest, bound: float, worse_if: Literal["above", "below"],
+          unit: Literal["pts", "ratio", "score"], margin: float) -> MetricSpec:
     return MetricSpec(name, label, "live", test, LIVE_STABLE, LIVE_CANDIDATE, field, field, bound, worse_if, unit, margin)
 
 

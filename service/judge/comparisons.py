@@ -62,11 +62,29 @@ MIN_COUNT_FOR_VERDICT = 30
 
 
 class JudgeTest(Protocol):
-    name: str
-    ratio: bool                 # effect is a log ratio (arms' values are combined on the log scale)
-    taus: tuple[float, ...]     # mixing scales of the boundary, in effect units (prior effect sizes)
-    weights: tuple[float, ...]  # their prior weights (sum ≤ 1)
-    effect_range: tuple[float, float] | None  # where the effect can lie (intervals are clipped to it)
+    # read-only members: the tests are frozen dataclasses
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def ratio(self) -> bool:
+        """The effect is a log ratio (arms' values are combined on the log scale)."""
+        ...
+
+    @property
+    def taus(self) -> tuple[float, ...]:
+        """Mixing scales of the boundary, in effect units (prior effect sizes)."""
+        ...
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """Their prior weights (sum ≤ 1)."""
+        ...
+
+    @property
+    def effect_range(self) -> tuple[float, float] | None:
+        """Where the effect can lie (intervals are clipped to it)."""
+        ...
 
     def estimate(self, stable: np.ndarray, candidate: np.ndarray) -> Estimate:
         """Arms' sufficient statistics (…, windows, fields) → one Estimate per leading element."""
@@ -78,7 +96,8 @@ class JudgeTest(Protocol):
 
 
 class Boundary(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: the boundaries are frozen dataclasses
 
     def radius(self, var: np.ndarray, alpha: float, taus: tuple, weights: tuple) -> np.ndarray:
         """One-sided: the chance that the effect ever exceeds the estimate by more (or falls short
@@ -108,7 +127,8 @@ class FixedBoundary:
 
 def _no_events(stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:
     # A rate that is zero in both arms (a cause that never happened) is trivially within its margin.
-    return (stable[..., 1].sum(axis=-1) == 0) & (candidate[..., 1].sum(axis=-1) == 0)
+    none: np.ndarray = (stable[..., 1].sum(axis=-1) == 0) & (candidate[..., 1].sum(axis=-1) == 0)
+    return none
 
 
 def _never(stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:
@@ -185,7 +205,8 @@ class PairedMeanTest:
     def no_events(self, stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:
         # fields (n, Σd, Σd², Σcandidate, Σstable): nothing ever happened on either side (a failure
         # cause that never occurred) is trivially within its margin
-        return np.abs(candidate[..., 2:]).sum(axis=(-1, -2)) == 0
+        none: np.ndarray = np.abs(candidate[..., 2:]).sum(axis=(-1, -2)) == 0
+        return none
 
 
 @dataclass(frozen=True)
@@ -223,7 +244,7 @@ class PairedCostRatioTest:
 
 
 # Latency histogram: [0, 1 ms), 240 log bins of ~5.9 % from 1 ms to 1000 s, [1000 s, ∞).
-LATENCY_EDGES = np.concatenate([[0.0], np.geomspace(1e-3, 1e3, 241), [np.inf]])
+LATENCY_EDGES: np.ndarray = np.concatenate([[0.0], np.geomspace(1e-3, 1e3, 241), [np.inf]])
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from service.config import RouteConfig
 from service.judge import stats
@@ -147,7 +148,7 @@ def _margin_text(spec: MetricSpec) -> str:
     return f"{spec.margin:g}" if spec.unit == "score" else f"{100 * spec.margin:g} pts"
 
 
-def _f(x) -> float | None:
+def _f(x: float) -> float | None:
     x = float(x)
     return x if math.isfinite(x) else None
 
@@ -177,6 +178,8 @@ class _Plan:
 
 
 _PLANS: dict[int, tuple[RouteConfig, _Plan]] = {}
+# per test of a plan: (test, its members (metric, part slot, part), stable arms, candidate arms)
+_Inputs = tuple[JudgeTest, list[tuple[int, int, Part]], np.ndarray, np.ndarray]
 
 
 def _key(test: JudgeTest) -> object:
@@ -245,7 +248,7 @@ def evaluate(evidence: RouteEvidence, rc: RouteConfig, boundary: Boundary | None
     blocking = has & (verdict != WITHIN) & (combined.n_candidate >= need) & (combined.n_stable >= need)
     if now is not None and blocking.any():
         forecasts = _forecasts(np.flatnonzero(blocking), combined, plan, alpha_within, inputs,
-                               now - evidence.current.start)
+                               now - evidence.windows[-1].start)  # evidence.current
     return _comparisons(plan, evidence.segments, np.flatnonzero(has), combined, parts_est, lo, hi, verdict,
                         forecasts)
 
@@ -265,7 +268,7 @@ def _comparisons(plan: _Plan, segments: list[str], rows: np.ndarray, combined: s
         ratio = spec.unit == "ratio"
         if ratio:
             effect, lo_r, hi_r = math.exp(effect), math.exp(lo_r), math.exp(min(hi_r, 700.0))
-        parts = tuple({"source": _part_source(part),
+        parts: tuple[dict, ...] = tuple({"source": _part_source(part),
                        "effect": _f(math.exp(p["effect"][j]) if ratio else p["effect"][j]),
                        "n": int(p["n_candidate"][j]), "n_stable": int(p["n_stable"][j])}
                       for part, p in zip(spec.parts, per_part) if p["n_candidate"][j] > 0 and p["n_stable"][j] > 0)
@@ -278,14 +281,14 @@ def _comparisons(plan: _Plan, segments: list[str], rows: np.ndarray, combined: s
     return out
 
 
-def _part_estimates(evidence: RouteEvidence, plan: _Plan):
+def _part_estimates(evidence: RouteEvidence, plan: _Plan) -> tuple[list[stats.Estimate], np.ndarray, list[_Inputs]]:
     """Every part's estimate in every segment, one vectorised call per test: (estimates per part slot
     (metrics × segments rows), whether nothing happened there, the inputs by test for forecasts)."""
     rows, n_seg = len(plan.bound), plan.n_seg
     slots = [{k: np.full(rows, np.inf if k == "var" else (0.0 if k.startswith("n_") else np.nan))
               for k in _EST_FIELDS} for _ in range(plan.n_parts)]
     no_events = np.ones((plan.n_parts, rows), dtype=bool)
-    inputs = []
+    inputs: list[_Inputs] = []
     for test, members in plan.groups:
         s_arr, c_arr = evidence.arms_of([part for _, _, part in members])
         est = test.estimate(s_arr, c_arr)
@@ -299,7 +302,7 @@ def _part_estimates(evidence: RouteEvidence, plan: _Plan):
     return [stats.Estimate(**slot) for slot in slots], no_events, inputs
 
 
-def _forecasts(rows: np.ndarray, combined: stats.Estimate, plan: _Plan, alpha_within: float, inputs: list,
+def _forecasts(rows: np.ndarray, combined: stats.Estimate, plan: _Plan, alpha_within: float, inputs: list[_Inputs],
                age_s: float) -> dict[int, Forecast]:
     """Forecasts of the blocking rows, from each part's estimate on the current window alone."""
     n_seg = plan.n_seg
@@ -325,7 +328,8 @@ def _forecasts(rows: np.ndarray, combined: stats.Estimate, plan: _Plan, alpha_wi
     return {int(r): f for r, f in zip(rows, found)}
 
 
-def rule(any_worse, step_ready, last_step, promote_ok, past_max, rollback_on_inconclusive):
+def rule(any_worse: ArrayLike, step_ready: ArrayLike, last_step: ArrayLike, promote_ok: ArrayLike,
+         past_max: ArrayLike, rollback_on_inconclusive: ArrayLike) -> np.ndarray:
     """DESIGN §9 on arrays (or scalars): HOLD / STEP / PROMOTE / ROLLBACK codes.
 
     rollback if anything is confidently worse; otherwise step when the step's
@@ -392,7 +396,7 @@ def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], 
                  f"samples (overall" + (f" and segments {', '.join(segs)})" if segs else ")")]
         return LastDecision(decision="promote", reasons=lines, evidence=[c.evidence() for c in gates], ts=now)
     # hold
-    lines: list[str] = []
+    lines = []
     if not step_ready:
         lines += _progress(step_samples, needed, age, ro.min_step_seconds, shadow, where)
     elif last:
@@ -400,8 +404,9 @@ def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], 
             lines.append(f"{where}: overall completion rate has fewer than {ro.min_samples_per_step} samples per arm")
         if pending:
             etas = [c.forecast.eta_s if c.forecast else None for c in pending]
-            when = (f"; promotion possible in ~{duration_text(max(etas))} at current traffic"
-                    if all(e is not None for e in etas) else "")
+            known = [e for e in etas if e is not None]
+            when = (f"; promotion possible in ~{duration_text(max(known))} at current traffic"
+                    if len(known) == len(etas) else "")
             lines.append(f"{where}: waiting for non-inferiority in {len(pending)} of {len(gates)} comparisons{when}")
             for c in _slowest_first(pending)[:MAX_HOLD_REASONS]:
                 lines += [line for line in (c.forecast_reason(), c.reason()) if line]

@@ -31,6 +31,7 @@ import math
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -49,6 +50,9 @@ from service.judge.catalog import (
 from service.judge.comparisons import LATENCY_EDGES
 from service.recent import Recent
 from service.records import JUDGE_SCORES, EvaluationRecord, OutcomeEvent, RolloutState
+
+if TYPE_CHECKING:
+    from service.judge.shadow_report import ShadowStats
 
 log = logging.getLogger("modelcanary.judge")
 
@@ -137,6 +141,7 @@ class ArmAcc:
         """One request; `s` is its session's running sums (updated here), None without a session."""
         self.n += 1
         done = outcome == "completed"
+        hits: tuple[int, ...]
         if done:
             hits = _HIT_MAX_TOKENS if cause == "max_tokens" else _HIT_COMPLETED
         elif blame == "model":
@@ -401,11 +406,23 @@ class Window:
     shadow_records: int = 0        # evaluation records (min_shadow_samples counts these)
     version: int = 0               # bumped by every record: arrays built from this window are stale
 
-    def acc(self, arm: Arm, segment: str):
+    def acc(self, arm: Arm, segment: str) -> ArmAcc | ShadowAcc:
         k = (arm[0], arm[1], segment)
         a = self.accs.get(k)
         if a is None:
             a = self.accs[k] = ShadowAcc() if arm[0] == "shadow" else ArmAcc()
+        return a
+
+    def live_acc(self, arm: Arm, segment: str) -> ArmAcc:
+        """`acc` of a live arm (always an ArmAcc)."""
+        a = self.acc(arm, segment)
+        assert isinstance(a, ArmAcc)
+        return a
+
+    def shadow_acc(self, segment: str) -> ShadowAcc:
+        """`acc` of the shadow candidate (always a ShadowAcc)."""
+        a = self.acc(SHADOW_CANDIDATE, segment)
+        assert isinstance(a, ShadowAcc)
         return a
 
 
@@ -459,7 +476,7 @@ class RouteEvidence:
         self.duplicates += 1
         return False
 
-    def _segments_of(self, segment: str) -> tuple[str, ...]:
+    def _segments_of(self, segment: str | None) -> tuple[str, ...]:
         # Unknown segment names count towards `overall` only (the comparison budget is fixed).
         return ("overall", segment) if segment in self._known and segment != "overall" else ("overall",)
 
@@ -496,13 +513,13 @@ class RouteEvidence:
             if ev.success is None or not self._first(("feedback", ev.request_id, ev.ts)):
                 return False
             for seg in segs:
-                w.acc(arm, seg).add_feedback(self._session(w, arm[1], seg, sid), bool(ev.success))
+                w.live_acc(arm, seg).add_feedback(self._session(w, arm[1], seg, sid), bool(ev.success))
             w.version += 1
             return True
         if ev.outcome is None or not self._first(("request", ev.request_id)):
             return False
         for seg in segs:
-            w.acc(arm, seg).add_request(self._session(w, arm[1], seg, sid), ev.outcome, ev.cause, ev.blame,
+            w.live_acc(arm, seg).add_request(self._session(w, arm[1], seg, sid), ev.outcome, ev.cause, ev.blame,
                                         ev.latency_s, ev.cost_usd, ev.client_retry)
         if arm is LIVE_CANDIDATE:
             w.candidate_requests += 1
@@ -523,7 +540,7 @@ class RouteEvidence:
         again_hits = _indicators(again.outcome, again.cause, again.blame) if again is not None else None
         pairs = paired_values(rec, self.rc)
         for s in self._segments_of(rec.segment):
-            a = w.acc(SHADOW_CANDIDATE, s)
+            a = w.shadow_acc(s)
             a.add_record(rec, cand_hits, again_hits)
             for name, candidate, stable in pairs:
                 a.add_pair(name, candidate, stable)
@@ -558,17 +575,20 @@ class RouteEvidence:
         block = self._stack(arm)[..., cols]                      # (segments, windows, parts × width)
         n_seg, n_win = block.shape[:2]
         width = len(cols) // len(keys)
-        return block.reshape(n_seg, n_win, len(keys), width).transpose(2, 0, 1, 3).reshape(-1, n_win, width)
+        out: np.ndarray = block.reshape(n_seg, n_win, len(keys), width).transpose(2, 0, 1, 3).reshape(-1, n_win, width)
+        return out
 
     def arm(self, arm: Arm, key: str) -> np.ndarray:
         if arm == POOLED_CANDIDATE:
-            return self.arm(LIVE_CANDIDATE, key) + self.arm(SHADOW_CANDIDATE, f"cand:{key}")
+            pooled: np.ndarray = self.arm(LIVE_CANDIDATE, key) + self.arm(SHADOW_CANDIDATE, f"cand:{key}")
+            return pooled
         if key.startswith("pair:"):
             out = np.zeros((len(self.segments), max(len(self.windows), 1), len(_NO_PAIRS)))
             for j, w in enumerate(self.windows):
                 for i, seg in enumerate(self.segments):
                     a = w.accs.get((arm[0], arm[1], seg))
                     if a is not None:
+                        assert isinstance(a, ShadowAcc)  # paired scores are shadow fields
                         out[i, j] = a.fields(key)
             return out
         return self._stack(arm)[..., (ShadowAcc if arm[0] == "shadow" else ArmAcc).FIELDS[key]]
@@ -584,8 +604,8 @@ class RouteEvidence:
         for w in self.windows:
             block = self._blocks.get((arm, w.index))
             if block is None or block[0] != w.version:
-                vectors = [w.accs.get((arm[0], arm[1], seg)) for seg in self.segments]
-                vectors = [a.vector() if a is not None else None for a in vectors]
+                accs = [w.accs.get((arm[0], arm[1], seg)) for seg in self.segments]
+                vectors = [a.vector() if a is not None else None for a in accs]
                 width = _WIDTH[kind]
                 block = self._blocks[arm, w.index] = (w.version, np.stack(
                     [v if v is not None else np.zeros(width) for v in vectors]))
@@ -610,7 +630,7 @@ class RouteEvidence:
         for w in self.windows:
             a = w.accs.get((arm[0], arm[1], segment)) if w.start >= since - 1e-6 else None
             if a is not None:
-                total += a.v[_R_N] if shadow else a.n
+                total += a.v[_R_N] if isinstance(a, ShadowAcc) else a.n  # shadow: ShadowAcc, live: ArmAcc
         return int(total)
 
     def totals(self, arm: Arm, segment: str) -> ArmAcc:
@@ -619,6 +639,7 @@ class RouteEvidence:
         for w in self.windows:
             a = w.accs.get((arm[0], arm[1], segment))
             if a is not None:
+                assert isinstance(a, ArmAcc)  # a live arm
                 out.merge(a)
         return out
 
@@ -628,7 +649,7 @@ class RouteEvidence:
         segments = {}
         for seg in self.segments:
             arms = {}
-            for name, arm in (("stable", ("live", "stable")), ("candidate", ("live", "candidate"))):
+            for name, arm in (("stable", LIVE_STABLE), ("candidate", LIVE_CANDIDATE)):
                 t = self.totals(arm, seg)
                 if t.n == 0 and t.fb_n == 0:
                     continue
@@ -661,7 +682,7 @@ def arm_summary(t: ArmAcc) -> dict:
     return out
 
 
-def _make_shadow_stats():
+def _make_shadow_stats() -> ShadowStats | None:
     """service.judge.shadow_report.ShadowStats when that module is installed, else None."""
     try:
         from service.judge.shadow_report import ShadowStats

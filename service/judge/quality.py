@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.records import JUDGE_SCORES, EvaluationRecord
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 Z = 1.959963984540054
 VERDICTS = ("win", "tie", "loss", "error")
@@ -129,7 +133,7 @@ def _verdicts(v: dict) -> str:
     return f"{v['win']}/{v['tie']}/{v['loss']}" + (f" ({v['error']} errors)" if v["error"] else "")
 
 
-def quality_table(summary: dict):
+def quality_table(summary: dict) -> Table:
     """A rich Table: one row per segment with any quality data, candidate against its reference."""
     from rich.table import Table
 

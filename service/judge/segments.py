@@ -114,7 +114,7 @@ def relabel(d: LastDecision, segment: str, candidate: str | None = None) -> Last
 
 def merge(kind: str, decisions: list[LastDecision], now: float) -> LastDecision:
     """One decision of `kind` carrying the reasons and evidence of all `decisions`."""
-    return LastDecision(decision=kind, reasons=[r for d in decisions for r in d.reasons],  # type: ignore[arg-type]
+    return LastDecision(decision=kind, reasons=[r for d in decisions for r in d.reasons],
                         evidence=[e for d in decisions for e in d.evidence], ts=now)
 
 
@@ -137,12 +137,13 @@ def rank(rc: RouteConfig, ready: list[str], comparisons: dict[str, list[Comparis
     metric, sign, label = _RULES[rule]
     found = {c: next((x for x in comparisons.get(c, ()) if x.spec.name == metric and x.segment == segment
                       and x.effect is not None), None) for c in ready}
-    ordered = sorted(ready, key=lambda c: (found[c] is None, sign * found[c].effect if found[c] else 0.0,
+    effects = {c: x.effect for c, x in found.items() if x is not None and x.effect is not None}  # all found
+    ordered = sorted(ready, key=lambda c: (found[c] is None, sign * effects[c] if c in effects else 0.0,
                                            listed.get(c, 0)))
 
     def text(c: str) -> str:
         x = found[c]
-        if x is None:
+        if x is None or x.effect is None:
             return f"{c} no {label} data"
         return f"{c} {'×' + format(x.effect, '.2f') if x.spec.unit == 'ratio' else format(100 * x.effect, '+.1f') + ' pts'}"
 

@@ -35,6 +35,7 @@ Method (docs/judge.md has the derivation and the guarantee):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from scipy import stats as _st
@@ -210,7 +211,8 @@ def combine_estimates(parts: list[Estimate], log_values: bool | np.ndarray = Fal
 
         def mix(values: list[np.ndarray]) -> np.ndarray:
             x = np.stack([np.asarray(v, dtype=float) for v in values])
-            return (w * np.where(used, x, 0.0)).sum(axis=0) / W
+            mixed: np.ndarray = (w * np.where(used, x, 0.0)).sum(axis=0) / W
+            return mixed
 
         logs = np.asarray(log_values, dtype=bool)
         stable, candidate = (
@@ -224,8 +226,9 @@ def combine_estimates(parts: list[Estimate], log_values: bool | np.ndarray = Fal
     return Estimate(
         stable=np.where(empty, nan, stable), candidate=np.where(empty, nan, candidate),
         effect=np.where(empty, nan, effect), var=np.where(empty, np.inf, out_var),
-        n_stable=sum(np.asarray(p.n_stable) for p in parts).astype(np.int64),
-        n_candidate=sum(np.asarray(p.n_candidate) for p in parts).astype(np.int64),
+        # two parts or more here: the sums are arrays, never sum()'s start 0
+        n_stable=cast(np.ndarray, sum(np.asarray(p.n_stable) for p in parts)).astype(np.int64),
+        n_candidate=cast(np.ndarray, sum(np.asarray(p.n_candidate) for p in parts)).astype(np.int64),
     )
 
 
@@ -256,7 +259,8 @@ def cluster_design_effect(n: np.ndarray, x: np.ndarray, nn: np.ndarray, xn: np.n
         clustered = XX - 2.0 * p * XN + p * p * NN
         binomial = N * p * (1.0 - p)
         deff = clustered / binomial
-    return np.where((binomial > 0) & np.isfinite(deff), np.maximum(deff, 1.0), 1.0) * few_sessions(N, NN)
+    out: np.ndarray = np.where((binomial > 0) & np.isfinite(deff), np.maximum(deff, 1.0), 1.0) * few_sessions(N, NN)
+    return out
 
 
 def mean_design_effect(n: np.ndarray, sy: np.ndarray, syy: np.ndarray, yy: np.ndarray, yn: np.ndarray,
@@ -272,7 +276,8 @@ def mean_design_effect(n: np.ndarray, sy: np.ndarray, syy: np.ndarray, yy: np.nd
         clustered = YY - 2.0 * m * YN + m * m * NN
         iid = SYY - N * m * m
         deff = clustered / iid
-    return np.where((iid > 0) & np.isfinite(deff), np.maximum(deff, 1.0), 1.0) * few_sessions(N, NN)
+    out: np.ndarray = np.where((iid > 0) & np.isfinite(deff), np.maximum(deff, 1.0), 1.0) * few_sessions(N, NN)
+    return out
 
 
 # ---- proportions -------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -39,12 +40,16 @@ from service.rollout.book import RolloutBook
 from service.rollout.controller import Controller
 from service.rollout.follower import follow
 from service.tracing import Tracing
-from service.upstream import Provider, make_providers
+from service.upstream import make_providers
+
+if TYPE_CHECKING:
+    from service.bus.kafka import KafkaBus
 
 log = logging.getLogger("modelcanary")
 
-# (config, bus, providers, tracing, stop) -> runs shadow workers until stop is set
-ShadowRunner = Callable[[Config, EventBus, dict[str, Provider], Tracing, asyncio.Event], Awaitable[None]]
+# (config, bus, stop, reloads) -> runs shadow workers until stop is set; each config put on
+# `reloads` replaces the workers' config
+ShadowRunner = Callable[[Config, EventBus, asyncio.Event, "asyncio.Queue[Config]"], Coroutine[Any, Any, None]]
 
 CHAT_REQUEST_SCHEMA = {
     "type": "object",
@@ -122,7 +127,7 @@ class Runtime:
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
         self._shadow: asyncio.Task | None = None
-        self._shadow_stop = asyncio.Event()
+        self._shadow_reloads: asyncio.Queue[Config] = asyncio.Queue()
 
     def _publish_rollout(self, state: RolloutState) -> None:
         self.bus.publish("rollouts", state)
@@ -130,7 +135,8 @@ class Runtime:
     async def start(self) -> None:
         await self.bus.start()
         if self.config.events.backend == "kafka":
-            self.tasks.append(asyncio.create_task(follow(self.bus, self.book, self.stop), name="rollouts"))
+            bus = cast("KafkaBus", self.bus)  # the kafka backend's bus (make_bus)
+            self.tasks.append(asyncio.create_task(follow(bus, self.book, self.stop), name="rollouts"))
             if any(rc.candidate and self.config.providers[self.config.models[rc.stable].provider].api == "openai"
                    for rc in self.config.routes.values()):  # Responses follow-ups may reach any replica
                 outcomes = self.bus.subscribe(["outcomes"], group=None)
@@ -142,23 +148,11 @@ class Runtime:
                 self.tasks.append(asyncio.create_task(self.recent_traffic.run(self.bus, self.stop),
                                                       name="recent-traffic"))
             self.tasks.append(asyncio.create_task(controller.run(self.stop), name="controller"))
-            if self.shadow_workers is not None:
-                self._start_shadow_workers()
+            if self.shadow_workers is not None:  # in-process until `stop`; a reload hands them the new config
+                self._shadow = asyncio.create_task(
+                    self.shadow_workers(self.config, self.bus, self.stop, self._shadow_reloads), name="shadow-workers")
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # main thread only
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_on_sighup)
-
-    def _start_shadow_workers(self) -> None:
-        """In-process shadow workers (memory mode), stopped with `stop` or replaced on reload."""
-        assert self.shadow_workers is not None
-        self._shadow_stop = asyncio.Event()
-        self._shadow = asyncio.create_task(
-            self.shadow_workers(self.config, self.bus, self.providers, self.tracing, self._shadow_stop), name="shadow-workers")
-
-    async def _restart_shadow_workers(self) -> None:
-        self._shadow_stop.set()
-        await asyncio.gather(self._shadow, return_exceptions=True)
-        if not self.stop.is_set():
-            self._start_shadow_workers()
 
     def _reload_on_sighup(self) -> None:
         try:
@@ -171,7 +165,6 @@ class Runtime:
     async def close(self) -> None:
         self.stop.set()
         if self._shadow is not None:
-            self._shadow_stop.set()
             self.tasks.append(self._shadow)
         for task in self.tasks:
             try:
@@ -201,7 +194,7 @@ class Runtime:
         self.proxy.reload(config)
         restarted = self.book.reload(config)
         if self._shadow is not None:
-            self.tasks.append(asyncio.get_running_loop().create_task(self._restart_shadow_workers()))
+            self._shadow_reloads.put_nowait(config)
         log.info("config reloaded from %s; new rollouts: %s", self.config_path, restarted or "none")
         return restarted
 
@@ -211,7 +204,7 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
     runtime = Runtime(config, config_path, shadow_workers)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await runtime.start()
         try:
             yield
@@ -238,8 +231,8 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
             return e.response()
         names = [name for name in runtime.config.routes if allowed is None or "*" in allowed or name in allowed]
         if "anthropic-version" in request.headers:  # an Anthropic client: its list shape
-            data = [{"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
-                    for name in names]
+            data: list[dict] = [{"type": "model", "id": name, "display_name": name,
+                                 "created_at": "1970-01-01T00:00:00Z"} for name in names]
             return JSONResponse({"data": data, "has_more": False, "first_id": names[0] if names else None,
                                  "last_id": names[-1] if names else None})
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "modelcanary"} for name in names]

@@ -7,11 +7,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
+from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Scope
 
 from service import metrics
 from service.config import Checks, Config
@@ -29,6 +31,11 @@ from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields
 from service.upstream.model_settings import model_body
 from service.upstream.retry import RetryBudget, send_with_retries
 
+if TYPE_CHECKING:
+    from prometheus_client import Gauge
+
+    from service.tracing import Tracing
+
 log = logging.getLogger("modelcanary.proxy")
 
 DRAIN_LIMIT = 64 * 1024 * 1024
@@ -45,7 +52,7 @@ class BadRequest(Exception):
 
 class Proxy:
     def __init__(self, config: Config, book: RolloutBook, providers: dict[str, Provider],
-                 recorder: Recorder, tracing: object | None = None):
+                 recorder: Recorder, tracing: Tracing | None = None):
         self.book = book
         self.providers = providers
         self.recorder = recorder
@@ -100,7 +107,7 @@ class Proxy:
             raise BadRequest(400, f"request body must be a JSON object, got {type(body).__name__}")
         return body
 
-    def resolve(self, model_name: object, headers) -> tuple[str, str | None]:
+    def resolve(self, model_name: object, headers: Mapping[str, str]) -> tuple[str, str | None]:
         """(route or model key, route when it is a route). Raises 401/403/404 as OpenAI does."""
         allowed = self.allowed_names(headers)
         if not isinstance(model_name, str) or not model_name:
@@ -114,7 +121,7 @@ class Proxy:
                              code="model_not_allowed")
         return model_name, (model_name if model_name in self.config.routes else None)
 
-    def allowed_names(self, headers) -> set[str] | None:
+    def allowed_names(self, headers: Mapping[str, str]) -> set[str] | None:
         """The routes this client may use (None: no client keys configured). 401 for an unknown key."""
         if self.client_keys is None:
             return None
@@ -123,7 +130,7 @@ class Proxy:
             raise BadRequest(401, "missing or unknown client key in the Authorization header", code="invalid_api_key")
         return allowed
 
-    def _client_auth(self, headers) -> str | None:
+    def _client_auth(self, headers: Mapping[str, str]) -> str | None:
         """The client's Authorization, to pass through when the provider has no key of its own; never
         when client keys are on (then it is a key for this proxy, not for the provider)."""
         return headers.get("authorization") if self.client_keys is None else None
@@ -171,9 +178,10 @@ class Proxy:
         if auth:
             up_headers["Authorization"] = auth
         if self.tracing is not None:
-            call.span = self.tracing.start_call(route=route, role=role, request_model=model.name,  # type: ignore[attr-defined]
+            call.span = self.tracing.start_call(route=route, role=role, request_model=model.name,
                                                 provider=model.provider, traceparent=call.traceparent, stream=call.stream)
-            up_headers.update(call.span.upstream_headers())  # type: ignore[union-attr]
+            assert call.span is not None  # enabled tracing starts a span
+            up_headers.update(call.span.upstream_headers())
         elif call.traceparent:
             up_headers["traceparent"] = call.traceparent
         judge = partial(classify_chat, asked, checks=self._checks(call))
@@ -250,8 +258,8 @@ class Proxy:
                 call.status = 502
                 return openai_error(502, f"upstream response is not a chat completion: {call.verdict.detail}",
                                     code="bad_response", headers=headers)
-            call.finish_reasons = [c.get("finish_reason") for c in data.get("choices", ()) if isinstance(c, dict)
-                                   and c.get("finish_reason")]
+            call.finish_reasons = [reason for c in data.get("choices", ()) if isinstance(c, dict)
+                                   and (reason := c.get("finish_reason"))]
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
         return self._upstream_error(call, reply, headers)
 
@@ -290,14 +298,14 @@ class Proxy:
             return failed("bad_response", "stream ended without a finish_reason")
         return judge(response)
 
-    def _checks(self, call: Call):
+    def _checks(self, call: Call) -> Checks:
         rc = self.config.routes.get(call.route)
         return rc.checks if rc is not None else _DEFAULT_CHECKS
 
     def _on_retry(self, call: Call, cause: str, t0: int, t1: int) -> None:
         metrics.upstream_retries_total.labels(call.route, call.model_key, cause).inc()
         if call.span is not None:
-            call.span.retry(call.upstream_retries + 1, cause, t0, t1)  # type: ignore[attr-defined]
+            call.span.retry(call.upstream_retries + 1, cause, t0, t1)
         call.upstream_retries += 1
 
     def _headers(self, call: Call) -> dict[str, str]:
@@ -310,7 +318,7 @@ class Proxy:
         response.background = _AfterSend(self._done, call)  # type: ignore[assignment]
         return response
 
-    def _in_flight_gauge(self, route: str):
+    def _in_flight_gauge(self, route: str) -> Gauge:
         return self._in_flight_children.get(route)
 
     def _done(self, call: Call) -> None:
@@ -375,7 +383,7 @@ class _AfterSend:
 
     __slots__ = ("done", "call")
 
-    def __init__(self, done, call: Call):
+    def __init__(self, done: Callable[[Call], None], call: Call):
         self.done = done
         self.call = call
 
@@ -383,7 +391,7 @@ class _AfterSend:
         self.done(self.call)
 
 
-def _header_map(scope) -> dict[str, str]:
+def _header_map(scope: Scope) -> dict[str, str]:
     """The request's headers as a plain dict, built in one pass: several lookups in Starlette's
     `Headers` each scan and decode the whole list. ASGI header names are lower-case; a repeated
     header gives its first value, as `Headers.get` does."""

@@ -28,6 +28,7 @@ from service.proxy.recorder import Call
 from service.proxy.routing import pick
 from service.proxy.segments import classify_segment
 from service.proxy.streaming import SSE_HEADERS, StreamRelay
+from service.records import Role
 from service.upstream.base import UpstreamReply
 
 FORWARDED_REQUEST_HEADERS = ("anthropic-version", "anthropic-beta")
@@ -86,19 +87,21 @@ class FormatEndpoint:
                                                    f"{headers.get('authorization', '')}|{session_key or ''}", raw)
         model = proxy.config.models[model_key]
         provider = proxy.providers[model.provider]
-        body["model"] = model.name
-        out = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-        body["model"] = name
+        asked = fmt.model_body(body, model)
+        out = json.dumps(asked, separators=(",", ":"), ensure_ascii=False).encode()
+        if model.params or model.system_prompt is not None:
+            view = fmt.view(asked)  # the answer is judged against what the model was asked
         up_headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"}
         up_headers.update((k, headers[k]) for k in FORWARDED_REQUEST_HEADERS if k in headers)
         auth = provider.auth_header(proxy._client_auth(headers))
         if auth:
             up_headers["Authorization"] = auth
         if proxy.tracing is not None:
-            call.span = proxy.tracing.start_call(route=route, role=role, request_model=model.name,  # type: ignore[attr-defined]
+            call.span = proxy.tracing.start_call(route=route, role=role, request_model=model.name,
                                                  provider=model.provider, traceparent=call.traceparent,
                                                  stream=call.stream)
-            up_headers.update(call.span.upstream_headers())  # type: ignore[union-attr]
+            assert call.span is not None  # enabled tracing starts a span
+            up_headers.update(call.span.upstream_headers())
         elif call.traceparent:
             up_headers["traceparent"] = call.traceparent
 
@@ -114,7 +117,7 @@ class FormatEndpoint:
         return proxy.respond(request, call, self._plain(call, sent, view))
 
     async def _pick(self, name: str, route: str | None, body: dict, session_key: str | None,
-                    stateful: str | None, segment: str) -> tuple[str, str]:
+                    stateful: str | None, segment: str) -> tuple[str, Role]:
         """(model key, role): by the split, unless the request refers to state one model holds."""
         if route is None:
             return name, "stable"

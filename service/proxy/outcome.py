@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from service.config import Checks
 from service.proxy.segments import wants_json
 from service.proxy.verifiers import check_json, check_tool_calls, requested_schema
+from service.records import Blame, Outcome
 from service.upstream.errors import error_cause
 from service.upstream.model_settings import requested_cap
 
-CAUSE_BLAME: dict[str, str] = {
+CAUSE_BLAME: dict[str, Blame] = {
     "timeout": "provider",
     "connection_error": "provider",
     "rate_limited": "provider",
@@ -34,9 +35,9 @@ CAUSE_BLAME: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    outcome: str  # completed | failed
+    outcome: Outcome  # completed | failed
     cause: str | None = None
-    blame: str | None = None
+    blame: Blame | None = None
     detail: str | None = None
 
     @property

@@ -59,7 +59,8 @@ async def follow_outcomes(sub: Subscription, owners: ResponseOwners, stop: async
     try:
         while not stop.is_set():
             for record in await sub.get_batch(1000, 0.5):
-                if isinstance(record, OutcomeEvent) and record.response_id:
+                # an outcome with a response_id is a request's, which names its model
+                if isinstance(record, OutcomeEvent) and record.response_id and record.model is not None:
                     owners.remember(record.response_id, record.model)
     finally:
         await sub.close()

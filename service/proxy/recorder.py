@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from service import metrics
 from service.bus.base import EventBus
@@ -16,7 +17,10 @@ from service.proxy.outcome import Verdict
 from service.proxy.routing import session_hash
 from service.proxy.sampler import ShadowSampler
 from service.proxy.segments import estimate_tokens, message_chars
-from service.records import OutcomeEvent, PrimaryResult, TrafficEvent
+from service.records import OutcomeEvent, PrimaryResult, Role, TrafficEvent
+
+if TYPE_CHECKING:
+    from service.tracing import CallSpan
 
 FEEDBACK_MEMORY = 100_000
 
@@ -28,7 +32,7 @@ class Call:
     request_id: str
     route: str
     model_key: str
-    role: str
+    role: Role
     segment: str
     started: float
     request: dict | None
@@ -43,7 +47,7 @@ class Call:
     status: int = 0
     verdict: Verdict | None = None
     response: dict | None = None
-    span: object | None = None
+    span: CallSpan | None = None
     finish_reasons: list[str] = field(default_factory=list)
     usage: Usage | None = None          # set by formats that read it themselves (Responses, Messages)
     stateful: bool = False              # depends on state the upstream keeps: never shadowed
@@ -104,6 +108,7 @@ class Recorder:
 
         self._requests.get(route, model, role, call.segment, verdict.outcome).inc()
         if not verdict.ok:
+            assert verdict.cause is not None and verdict.blame is not None  # failed() sets both
             self._failures.get(route, model, role, verdict.cause, verdict.blame).inc()
         self._duration.get(route, model, role).observe(call.latency_s)
         if call.ttft_s is not None:
@@ -132,7 +137,7 @@ class Recorder:
         ))
         self._served.remember(call.request_id, (route, model, role, call.segment), sid)
         if call.span is not None:
-            call.span.finish(response_model=(call.response or {}).get("model"), input_tokens=input_tokens,  # type: ignore[attr-defined]
+            call.span.finish(response_model=(call.response or {}).get("model"), input_tokens=input_tokens,
                              output_tokens=output_tokens, finish_reasons=call.finish_reasons,
                              cause=verdict.cause, prompt=(call.request or {}).get("messages"),
                              completion=(call.response or {}).get("choices"))
@@ -156,7 +161,7 @@ class Recorder:
         return TrafficEvent.model_construct(
             request_id=call.request_id, ts=time.time(), route=call.route, segment=call.segment, request=request,
             primary=primary, config_version=self.config_version,
-            traceparent=call.span.traceparent() if call.span is not None else call.traceparent,  # type: ignore[attr-defined]
+            traceparent=call.span.traceparent() if call.span is not None else call.traceparent,
         )
 
     # ---- feedback --------------------------------------------------------------------------
@@ -166,10 +171,11 @@ class Recorder:
 
     def feedback(self, key: str, served: Served, success: bool, reason: str | None) -> None:
         """Feedback on a request this proxy served: published resolved."""
+        # `served` holds the labels `finish` remembered: its role is a Call's Role
         metrics.feedback_total.labels(served.route, served.model, served.role, "success" if success else "failure").inc()
         self.bus.publish("outcomes", OutcomeEvent.model_construct(
             request_id=key.removeprefix(SESSION), ts=time.time(), route=served.route, model=served.model,
-            role=served.role, segment=served.segment, session_id_hash=served.session_id_hash, outcome=None,
+            role=cast(Role, served.role), segment=served.segment, session_id_hash=served.session_id_hash, outcome=None,
             cause=None, blame=None, latency_s=None, ttft_s=None, input_tokens=0, output_tokens=0, cost_usd=0.0,
             client_retry=False, upstream_retries=0, kind="feedback", success=success, reason=reason,
         ))
@@ -194,7 +200,7 @@ class Recorder:
         patterns = self._redact.get(route)
         if not patterns:
             return obj
-        return scrub(obj, patterns)  # type: ignore[return-value]
+        return cast(dict, scrub(obj, patterns))  # a dict scrubbed is a dict
 
 
 def compiled_redactions(entries: list[str]) -> list[re.Pattern]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 
+from service.records import Role
 from service.rollout.book import Split
 
 _SCALE = float(1 << 64)
@@ -16,10 +17,10 @@ def unit_hash(*parts: str) -> float:
     return int.from_bytes(digest, "big") / _SCALE
 
 
-def pick(route: str, split: Split, session_key: str | None, segment: str | None = None) -> tuple[str, str]:
+def pick(route: str, split: Split, session_key: str | None, segment: str | None = None) -> tuple[str, Role]:
     """(model key, role). A session never flips mid-way unless the weight changes. With
     rollout.scope segment the request's segment has its own split (none yet: the stable model)."""
-    if split.segments is not None:
+    if split.segments is not None and segment is not None:
         split = split.segments.get(segment, split)
     if split.canary is None or split.weight <= 0.0:
         return split.stable, "stable"

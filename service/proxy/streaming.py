@@ -46,7 +46,7 @@ def client_gone(receive: Receive) -> bool:
     once with `http.disconnect` then. One step of the coroutine, dropped if it would wait (a few µs,
     where Starlette's `is_disconnected` costs ~100 µs with its cancel scope)."""
     step = receive()
-    if not hasattr(step, "send"):
+    if not hasattr(step, "send") or not hasattr(step, "close"):  # a coroutine has both
         return False
     try:
         step.send(None)
@@ -163,6 +163,7 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sender = asyncio.current_task()
+        assert sender is not None  # an ASGI app is called in a task
         left = False
 
         async def watch_for_disconnect() -> None:
@@ -170,7 +171,7 @@ class EventStreamResponse(Response):
             while (await receive())["type"] != "http.disconnect":
                 pass
             left = True
-            sender.cancel()  # type: ignore[union-attr]
+            sender.cancel()
 
         watcher = asyncio.get_running_loop().create_task(watch_for_disconnect())
         try:
@@ -181,7 +182,7 @@ class EventStreamResponse(Response):
         except asyncio.CancelledError:
             if not left:
                 raise
-            sender.uncancel()  # type: ignore[union-attr]  # the client left: the stream ends here
+            sender.uncancel()  # the client left: the stream ends here
         finally:
             watcher.cancel()
             try:

@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future as ConcurrentFuture
 from typing import TYPE_CHECKING, Any
 
@@ -440,7 +440,8 @@ def _latest(consumer: KafkaConsumer, tps: list[TopicPartition], keys: frozenset[
     return out
 
 
-def _read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, stop: int | None, end: int):
+def _read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, stop: int | None,
+                end: int) -> Iterator[tuple[int, str | None, bytes]]:
     """(offset, key, value) of `tp` from `start` up to `stop`, or (stop=None) until caught up with
     `end`: Tansu reports one past the first record of the last batch as the end, and a poll not cut
     short by max_records returns the rest of that batch with it (see replay.read_messages)."""
@@ -464,13 +465,13 @@ def _read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, stop: i
             raise TimeoutError(f"reading {tp.topic}[{tp.partition}] back: nothing for {LATEST_STALL_S:.0f} s")
 
 
-class _Revoked(ConsumerRebalanceListener):
+class _Revoked(ConsumerRebalanceListener):  # type: ignore[misc]  # kafka-python ships no type hints
     def __init__(self, sub: KafkaSubscription):
         self._sub = sub
 
-    def on_partitions_revoked(self, revoked):
+    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
         self._sub._purge(set(revoked))
 
-    def on_partitions_assigned(self, assigned):
+    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         pass
 

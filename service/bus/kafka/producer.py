@@ -340,7 +340,7 @@ class KafkaBus:
         with self._lock:
             failed, self._failed = self._failed, []
             leftover, self._inflight = self._inflight, {}
-            items = [(seq, item, exc) for seq, item, exc in failed]
+            items: list[tuple[int, _Pending, BaseException | None]] = [(seq, item, exc) for seq, item, exc in failed]
             items += [(seq, item, None) for seq, item in leftover.items()]
             self._spooling = [item for _, item, _ in items]  # still unsettled for flush()
             self._tripped.clear()

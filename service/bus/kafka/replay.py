@@ -8,9 +8,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kafka import KafkaConsumer, TopicPartition
 
@@ -54,7 +54,7 @@ async def replay(bus: KafkaBus, topics: list[Topic], group: str, since_ts: float
         finally:
             put(None)
 
-    def take() -> list[Record] | BaseException | None | bool:
+    def take() -> list[Record] | BaseException | None | Literal[False]:
         try:
             return chunks.get(timeout=0.5)
         except queue.Empty:
@@ -83,7 +83,7 @@ async def replay(bus: KafkaBus, topics: list[Topic], group: str, since_ts: float
     return n
 
 def _read_back(bus: KafkaBus, topics: list[Topic], group: str, since_ts: float, halt: threading.Event,  # noqa: C901 - seek, read and stall detection share one consumer's state
-               stall_timeout_s: float):
+               stall_timeout_s: float) -> Iterator[list[Record]]:
     """replay()'s reader (its own thread and consumer): chunks of records, in each partition's order."""
     consumer = build_client(
         KafkaConsumer, client_id=f"{bus._client_id}-replay", group_id=group, enable_auto_commit=False,

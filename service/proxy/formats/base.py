@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.config import Checks
+from service.config import Checks, ModelConfig
 from service.proxy.outcome import Verdict
 from service.proxy.segments import estimate_tokens, message_chars
 
@@ -74,6 +74,10 @@ class ApiFormat(Protocol):
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         """An SSE event that tells this format's clients the stream failed."""
+
+    def model_body(self, request: dict, model: ModelConfig) -> dict:
+        """The request as `model` gets it: its upstream name, its `system_prompt` first and its
+        `params` (chat fields) over the client's, in this format's fields; `request` is left as it was."""
 
     def shadow_body(self, request: dict, upstream_model: str) -> dict:
         """The live request for another model: its upstream name, never streamed, nothing stored."""

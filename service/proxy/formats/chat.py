@@ -3,12 +3,13 @@ this wraps the same functions for the shadow workers and for code that handles e
 
 from __future__ import annotations
 
-from service.config import Checks
+from service.config import Checks, ModelConfig
 from service.errors import error_body
 from service.proxy.formats.base import Reassembled, Usage, chat_output_chars, estimated_usage
 from service.proxy.outcome import Verdict, classify_chat
 from service.proxy.sse import reassemble
 from service.upstream.errors import error_cause
+from service.upstream.model_settings import model_body
 
 STREAM_KEYS = ("stream", "stream_options")
 
@@ -18,7 +19,7 @@ class ChatFormat:
     path = "/chat/completions"
     provider_api = "openai"
     first_token: tuple[bytes, ...] = ()  # the first chunk
-    end_of_stream = (b"data: [DONE]",)
+    end_of_stream: tuple[bytes, ...] = (b"data: [DONE]",)
 
     def check(self, body: dict) -> tuple[str, str] | None:
         if not isinstance(body.get("messages"), list):
@@ -52,6 +53,9 @@ class ChatFormat:
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         return b"data: " + error_body(status, message, code) + b"\n\n"
+
+    def model_body(self, request: dict, model: ModelConfig) -> dict:
+        return model_body(request, model)
 
     def shadow_body(self, request: dict, upstream_model: str) -> dict:
         body = {k: v for k, v in request.items() if k not in STREAM_KEYS}

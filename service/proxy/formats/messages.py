@@ -7,14 +7,16 @@ does not fit the tool's `input_schema` (or, streamed, is not JSON) is `invalid_t
 map by their `error.type`; `overloaded_error` (HTTP 529) is `provider_5xx`, the provider being out
 of capacity for everyone, which is not this client's rate limit. Usage records
 `cache_read_input_tokens` and `cache_creation_input_tokens` as the cache_read / cache_write token
-types. TTFT is the first text or tool-input delta; a stream ends at `message_stop`.
+types. A model's settings go into Messages fields (`MESSAGES_PARAMS`; its system prompt becomes the
+first `system` block); chat params with no Messages field are not sent. TTFT is the first text or
+tool-input delta; a stream ends at `message_stop`.
 """
 
 from __future__ import annotations
 
 import json
 
-from service.config import Checks
+from service.config import Checks, ModelConfig
 from service.proxy.formats.base import (
     Reassembled,
     Usage,
@@ -28,7 +30,7 @@ from service.proxy.formats.base import (
     sse_json,
     token_count,
 )
-from service.proxy.outcome import Verdict, classify_chat, failed
+from service.proxy.outcome import MAX_TOKENS, Verdict, classify_chat, failed
 from service.upstream.errors import error_cause
 
 # `error.type` -> cause (DESIGN §6)
@@ -36,6 +38,9 @@ ERROR_TYPES = {"overloaded_error": "provider_5xx", "api_error": "provider_5xx", 
                "billing_error": "quota_exceeded", "authentication_error": "auth_error",
                "permission_error": "auth_error", "timeout_error": "timeout", "not_found_error": "bad_request",
                "request_too_large": "bad_request", "invalid_request_error": "bad_request"}
+# a model's chat `params` -> Messages fields
+MESSAGES_PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+                   "top_p": "top_p", "stop": "stop_sequences"}
 FINISH = {"tool_use": "tool_calls", "max_tokens": "length", "model_context_window_exceeded": "length"}
 
 
@@ -69,8 +74,8 @@ class MessagesFormat:
     name = "messages"
     path = "/messages"
     provider_api = "anthropic"
-    first_token = (b'"text_delta"', b'"input_json_delta"')
-    end_of_stream = (b'"message_stop"',)
+    first_token: tuple[bytes, ...] = (b'"text_delta"', b'"input_json_delta"')
+    end_of_stream: tuple[bytes, ...] = (b'"message_stop"',)
 
     def check(self, body: dict) -> tuple[str, str] | None:
         if not isinstance(body.get("messages"), list):
@@ -109,7 +114,7 @@ class MessagesFormat:
         if stop == "refusal":
             return failed("refusal", _blocks_text(response["content"])[:200] or None)
         if stop == "max_tokens":
-            return failed("max_tokens")
+            return MAX_TOKENS
         if stop == "model_context_window_exceeded":
             return failed("truncated", "the model's context window was exceeded")
         chat = self.chat_view(response)
@@ -121,9 +126,10 @@ class MessagesFormat:
         kind = err.get("type") if isinstance(err, dict) else None
         if status == 529:
             return "provider_5xx"
-        if kind == "invalid_request_error" and "prompt is too long" in str(err.get("message") or "").lower():  # type: ignore[union-attr]
+        if kind == "invalid_request_error" and isinstance(err, dict) \
+                and "prompt is too long" in str(err.get("message") or "").lower():  # a kind only in a dict
             return "context_length_exceeded"
-        return ERROR_TYPES.get(kind) or error_cause(status, body)  # type: ignore[arg-type]
+        return (ERROR_TYPES.get(kind) if kind is not None else None) or error_cause(status, body)
 
     def usage(self, view: dict, response: dict | None) -> Usage:
         usage = response.get("usage") if isinstance(response, dict) else None
@@ -146,10 +152,10 @@ class MessagesFormat:
                 return Reassembled(None, False, "malformed SSE data")
             kind = event.get("type") or name
             if kind == "error":
-                err = event.get("error") if isinstance(event.get("error"), dict) else {}
+                err = found if isinstance(found := event.get("error"), dict) else {}
                 return Reassembled(None, False, str(err.get("message") or "error event")[:200],
                                    self.error_cause(500, event))
-            index = event.get("index") if isinstance(event.get("index"), int) else 0
+            index = found if isinstance(found := event.get("index"), int) else 0
             if kind == "message_start" and isinstance(event.get("message"), dict):
                 message = dict(event["message"])
                 message["usage"] = dict(message.get("usage") or {})
@@ -165,7 +171,7 @@ class MessagesFormat:
                 elif delta.get("type") == "thinking_delta":
                     block["thinking"] = (block.get("thinking") or "") + str(delta.get("thinking") or "")
             elif kind == "message_delta" and message is not None:
-                delta = event.get("delta") if isinstance(event.get("delta"), dict) else {}
+                delta = found if isinstance(found := event.get("delta"), dict) else {}
                 message.update({k: v for k, v in delta.items() if k in ("stop_reason", "stop_sequence")})
                 if isinstance(event.get("usage"), dict):
                     message["usage"].update({k: v for k, v in event["usage"].items() if v is not None})
@@ -188,6 +194,19 @@ class MessagesFormat:
         kind = "timeout_error" if code == "timeout" else "overloaded_error" if status == 503 else "api_error"
         return named_event("error", {"type": "error", "error": {"type": kind, "message": message}})
 
+    def model_body(self, request: dict, model: ModelConfig) -> dict:
+        body = {**request, "model": model.name}
+        for key, value in model.params.items():
+            if key in MESSAGES_PARAMS:
+                body[MESSAGES_PARAMS[key]] = [value] if key == "stop" and isinstance(value, str) else value
+        if model.system_prompt is not None:
+            own = request.get("system")
+            if isinstance(own, str) and own:
+                own = [{"type": "text", "text": own}]
+            body["system"] = [{"type": "text", "text": model.system_prompt}, *own] if isinstance(own, list) and own \
+                else model.system_prompt
+        return body
+
     def shadow_body(self, request: dict, upstream_model: str) -> dict:
         body = {k: v for k, v in request.items() if k != "stream"}
         body["model"] = upstream_model
@@ -195,17 +214,17 @@ class MessagesFormat:
 
     def chat_view(self, response: dict | None) -> dict | None:
         content = response.get("content") if isinstance(response, dict) else None
-        if not isinstance(content, list):
+        if not isinstance(response, dict) or not isinstance(content, list):  # a list only in a dict
             return None
         text = _blocks_text(content)
         calls = [{"id": b.get("id"), "type": "function",
                   "function": {"name": b.get("name"),
                                "arguments": b["input"] if isinstance(b.get("input"), str) else json.dumps(b.get("input"))}}
                  for b in content if isinstance(b, dict) and b.get("type") == "tool_use"]
-        stop = response.get("stop_reason")  # type: ignore[union-attr]
+        stop = response.get("stop_reason")
         if stop == "refusal":
-            return chat_completion(response.get("id"), response.get("model"), None, text or "refused", [], "stop")  # type: ignore[union-attr]
-        return chat_completion(response.get("id"), response.get("model"), text or None, None, calls,  # type: ignore[union-attr]
+            return chat_completion(response.get("id"), response.get("model"), None, text or "refused", [], "stop")
+        return chat_completion(response.get("id"), response.get("model"), text or None, None, calls,
                                FINISH.get(stop or "") or ("tool_calls" if calls else "stop"))
 
     def response_id(self, response: dict | None) -> str | None:

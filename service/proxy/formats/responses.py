@@ -4,7 +4,9 @@ Outcomes: `status` `failed` takes its cause from `error.code`; `incomplete` from
 `incomplete_details.reason` (`max_output_tokens` is the client's `max_tokens` cause when the request
 set `max_output_tokens`, else `truncated`; `content_filter` is `content_filtered`); a completed
 answer is checked like a chat answer (refusal parts, function-call arguments against the function
-tools, JSON and its schema for `text.format`). TTFT is the first output delta (text, refusal or
+tools, JSON and its schema for `text.format`). A model's settings go into Responses fields
+(`RESPONSES_PARAMS`; its system prompt goes first in `instructions`, which a follow-up does not
+inherit); chat params with no Responses field are not sent. TTFT is the first output delta (text, refusal or
 function arguments); a stream ends at `response.completed`, `response.incomplete` or `response.failed`.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from service.config import Checks
+from service.config import Checks, ModelConfig
 from service.errors import error_body
 from service.proxy.formats.base import (
     Reassembled,
@@ -26,8 +28,9 @@ from service.proxy.formats.base import (
     sse_json,
     token_count,
 )
-from service.proxy.outcome import Verdict, classify_chat, failed
+from service.proxy.outcome import MAX_TOKENS, Verdict, classify_chat, failed
 from service.upstream.errors import error_cause
+from service.upstream.model_settings import CAP_FIELDS
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 # kept from the live request in a shadow call: never streamed, never stored, no upstream state
@@ -37,6 +40,15 @@ SHADOW_DROPPED = ("stream", "stream_options", "previous_response_id", "conversat
 FAILED_CODES = {"rate_limit_exceeded": "rate_limited", "server_error": "provider_5xx",
                 "vector_store_timeout": "timeout", "context_length_exceeded": "context_length_exceeded",
                 "insufficient_quota": "quota_exceeded"}
+
+
+# a model's chat `params` -> (Responses field, key inside it or None)
+RESPONSES_PARAMS: dict[str, tuple[str, str | None]] = {
+    "max_tokens": ("max_output_tokens", None), "max_completion_tokens": ("max_output_tokens", None),
+    "reasoning_effort": ("reasoning", "effort"), "verbosity": ("text", "verbosity"),
+    **{f: (f, None) for f in ("temperature", "top_p", "top_logprobs", "parallel_tool_calls", "metadata", "store",
+                              "service_tier", "user", "safety_identifier", "prompt_cache_key")},
+}
 
 
 def failed_cause(code: object) -> str:
@@ -67,9 +79,9 @@ class ResponsesFormat:
     name = "responses"
     path = "/responses"
     provider_api = "openai"
-    first_token = (b'"response.output_text.delta"', b'"response.refusal.delta"',
+    first_token: tuple[bytes, ...] = (b'"response.output_text.delta"', b'"response.refusal.delta"',
                    b'"response.function_call_arguments.delta"')
-    end_of_stream = tuple(f'"{t}"'.encode() for t in TERMINAL)
+    end_of_stream: tuple[bytes, ...] = tuple(f'"{t}"'.encode() for t in TERMINAL)
 
     def check(self, body: dict) -> tuple[str, str] | None:
         inp = body.get("input")
@@ -117,7 +129,7 @@ class ResponsesFormat:
             return failed("bad_response", "no output in the response")
         status = response.get("status")
         if status == "failed":
-            err = response.get("error") if isinstance(response.get("error"), dict) else {}
+            err = found if isinstance(found := response.get("error"), dict) else {}
             return failed(failed_cause(err.get("code")), str(err.get("message") or "response failed")[:200])
         if status == "incomplete":
             details = response.get("incomplete_details")
@@ -125,7 +137,7 @@ class ResponsesFormat:
             if reason == "content_filter":
                 return failed("content_filtered")
             if reason == "max_output_tokens" and view.get("max_tokens") is not None:
-                return failed("max_tokens")
+                return MAX_TOKENS
             return failed("truncated", f"incomplete: {reason}")
         chat = self.chat_view(response)
         assert chat is not None  # output is a list
@@ -156,7 +168,7 @@ class ResponsesFormat:
                 return Reassembled(None, False, "malformed SSE data")
             kind = event.get("type") or name
             if kind == "error":
-                err = event.get("error") if isinstance(event.get("error"), dict) else event
+                err = found if isinstance(found := event.get("error"), dict) else event
                 return Reassembled(None, False, str(err.get("message") or "error event")[:200],
                                    failed_cause(err.get("code")))
             if kind == "response.output_item.done" and isinstance(event.get("item"), dict):
@@ -176,6 +188,24 @@ class ResponsesFormat:
         payload = {"type": "error", "code": code, "message": message, "param": None, "error": err}
         return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
+    def model_body(self, request: dict, model: ModelConfig) -> dict:
+        body = {**request, "model": model.name}
+        if any(f in model.params for f in CAP_FIELDS):
+            body.pop("max_output_tokens", None)
+        for key, value in model.params.items():
+            if key not in RESPONSES_PARAMS:
+                continue
+            field, inner = RESPONSES_PARAMS[key]
+            if inner is None:
+                body[field] = value
+            else:
+                outer = body.get(field)
+                body[field] = {**(outer if isinstance(outer, dict) else {}), inner: value}
+        if model.system_prompt is not None:
+            own = request.get("instructions")
+            body["instructions"] = f"{model.system_prompt}\n\n{own}" if isinstance(own, str) and own else model.system_prompt
+        return body
+
     def shadow_body(self, request: dict, upstream_model: str) -> dict:
         body = {k: v for k, v in request.items() if k not in SHADOW_DROPPED}
         body["model"] = upstream_model
@@ -184,7 +214,7 @@ class ResponsesFormat:
 
     def chat_view(self, response: dict | None) -> dict | None:
         output = response.get("output") if isinstance(response, dict) else None
-        if not isinstance(output, list):
+        if not isinstance(response, dict) or not isinstance(output, list):  # a list only in a dict
             return None
         texts: list[str] = []
         refusals: list[str] = []
@@ -201,11 +231,11 @@ class ResponsesFormat:
             elif item.get("type") == "function_call":
                 calls.append({"id": item.get("call_id") or item.get("id"), "type": "function",
                               "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}})
-        details = response.get("incomplete_details")  # type: ignore[union-attr]
+        details = response.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
         finish = {"max_output_tokens": "length", "content_filter": "content_filter"}.get(reason or "") or \
             ("tool_calls" if calls else "stop")
-        return chat_completion(response.get("id"), response.get("model"), "".join(texts) if texts else None,  # type: ignore[union-attr]
+        return chat_completion(response.get("id"), response.get("model"), "".join(texts) if texts else None,
                                "".join(refusals) or None, calls, finish)
 
     def response_id(self, response: dict | None) -> str | None:
