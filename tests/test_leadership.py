@@ -133,6 +133,25 @@ def test_a_deposed_leaders_late_state_is_ignored_whatever_its_version():
     assert precedence(state(6, 2, by="operator")) > precedence(state(6, 2))  # same epoch: as before
 
 
+def test_the_leader_keeps_an_operators_action_made_on_the_state_before_its_epoch():
+    published: list[RolloutState] = []
+    leader = RolloutBook(make_config(), publish=published.append)
+    assert leader.adopt(state(5, epoch=1))
+    leader.epoch = 2
+    leader.decide("bot", LastDecision(decision="hold", reasons=["leading"]))  # its first state: epoch 2, version 6
+    promote = state(6, epoch=1, phase="promoted", by="operator")   # a replica that still saw epoch 1, version 5
+    assert not leader.adopt(promote)                               # an older epoch: not by precedence ...
+    assert leader.adopt_operator(promote)                          # ... but the operator's action is kept
+    kept = leader.get("bot")
+    assert (kept.phase, kept.version, kept.epoch) == ("promoted", 6, 2) and published[-1] == kept
+    assert precedence(kept) > precedence(published[-2])            # every replica follows it
+    # another stale action of the same version loses to the one kept; a deposed controller's state is no
+    # operator's, whatever its version
+    assert not leader.adopt_operator(state(6, epoch=1, phase="paused", by="operator"))
+    assert not leader.adopt_operator(state(9, epoch=1))
+    assert leader.get("bot") == kept
+
+
 def test_the_book_stamps_its_epoch_lists_windows_and_publishes_the_state_only():
     published: list[RolloutState] = []
     book = RolloutBook(make_config(), publish=published.append)

@@ -230,6 +230,26 @@ class RolloutBook:
             listener(incoming, old)
         return True
 
+    def adopt_operator(self, incoming: RolloutState) -> bool:
+        """As the leader: keep an operator's action that a replica derived from a state of an older
+        epoch (it had not seen this leader's state yet), when no newer decision of this book has
+        superseded it; it is committed again under this book's epoch, so every replica follows it."""
+        current = self.states.get(incoming.route)
+        decision = incoming.last_decision
+        if current is None or self.epoch is None or decision is None or decision.by != "operator":
+            return False
+        ours_newer = current.version > incoming.version or (
+            current.version == incoming.version and current.last_decision is not None
+            and current.last_decision.by == "operator")
+        same = (incoming.stable, candidates_of(incoming), incoming.scope) == \
+            (current.stable, candidates_of(current), current.scope)
+        if ours_newer or not same:
+            return False
+        if incoming.report is None and current.report is not None:
+            incoming = incoming.model_copy(update={"report": current.report})
+        self._commit(incoming, count=None)
+        return True
+
     def reload(self, config: Config) -> list[str]:
         """Adopt a new config; a route whose stable or candidate changed starts a new rollout."""
         self._config = config

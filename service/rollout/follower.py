@@ -4,7 +4,9 @@ state and report.
 A catch-up reads each route's latest record of both topics, not their whole history (see
 `KafkaBus.follow`), then every new record. A state of an older leadership epoch than the book's
 (a deposed controller's late publish) is ignored; the leading controller answers it by publishing
-its own state again, so that its state stays the latest record of the compacted topic.
+its own state again, so that its state stays the latest record of the compacted topic. The
+exception is an operator's action that a replica derived from the state before the new leader's
+(it had not seen that one yet): the leader keeps it, committed again under its own epoch.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class Follower:
                 if book.adopt(rec):
                     self.adopted += 1
                 elif book.epoch is not None and rec.epoch < book.epoch and rec.route in book.states:
+                    if book.adopt_operator(rec):
+                        log.info("route %s: kept an operator's %s made on a state of epoch %d", rec.route,
+                                 rec.last_decision.decision if rec.last_decision else "action", rec.epoch)
+                        continue
                     log.warning("route %s: ignored a state of epoch %d (version %d) from a deposed controller",
                                 rec.route, rec.epoch, rec.version)
                     book.republish(rec.route)
