@@ -11,7 +11,7 @@ import time
 import openai
 
 from service.admin import cli as admin_cli
-from tests.fixtures.servers import SIM_MODEL
+from tests.fixtures.servers import SIM_MODEL, blames_tool_calls
 from tests.test_rollout_e2e import ENV, TOKEN, _admin, _proxy, _sim, _state
 
 TOOLS = [{"type": "function", "name": "lookup_order", "description": "Find an order",
@@ -66,8 +66,7 @@ def test_tool_breaking_candidate_on_a_responses_route_is_rolled_back(servers, ca
     assert state["phase"] == "rolled_back", state
     d = state["last_decision"]
     assert d["decision"] == "rollback" and d["by"] == "controller"
-    assert any(r.startswith("segment tools:") for r in d["reasons"]), d["reasons"]
-    assert any(e["segment"] == "tools" and e["verdict"] == "worse" for e in d["evidence"])
+    assert blames_tool_calls(d), d["reasons"]
     assert admin_cli.report(proxy.url, TOKEN, "support-bot", False) == 0
     out = capsys.readouterr().out
     assert "tools" in out and "worse" in out

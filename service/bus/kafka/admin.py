@@ -94,6 +94,16 @@ def ensure_topics(admin: KafkaAdminClient, names: dict[Topic, str], kafka: Kafka
     return created
 
 
+def create_missing_topics(client_id: str, client_config: dict[str, Any], names: dict[Topic, str],
+                          kafka: KafkaConfig) -> list[str]:
+    """`ensure_topics` through an admin client of its own, closed after."""
+    admin = build_client(KafkaAdminClient, client_id=f"{client_id}-admin", **client_config)
+    try:
+        return ensure_topics(admin, names, kafka)
+    finally:
+        admin.close()
+
+
 def build_client(cls: type, **config: Any) -> Any:
     """A kafka-python KafkaAdminClient, KafkaProducer or KafkaConsumer that leaks nothing when it fails.
 

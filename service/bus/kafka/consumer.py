@@ -13,12 +13,12 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future as ConcurrentFuture
 from typing import TYPE_CHECKING, Any
 
-from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from service import metrics
 from service.bus.base import Topic
-from service.bus.kafka.admin import broker_reachable, build_client, describe, ensure_topics
+from service.bus.kafka.admin import broker_reachable, build_client, create_missing_topics, describe
 from service.bus.kafka.internals import topic_id
 from service.records import Record, load
 
@@ -246,11 +246,7 @@ class KafkaSubscription:
             return None
         consumer = None
         try:
-            admin = build_client(KafkaAdminClient, client_id=f"{bus._client_id}-admin", **bus._client_config())
-            try:
-                ensure_topics(admin, bus.names, bus.kafka)
-            finally:
-                admin.close()
+            create_missing_topics(bus._client_id, bus._client_config(), bus.names, bus.kafka)
             config = dict(
                 client_id=f"{bus._client_id}-consumer",
                 auto_offset_reset="earliest",

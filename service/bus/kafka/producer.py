@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from kafka import KafkaAdminClient, KafkaProducer
+from kafka import KafkaProducer
 
 from service import metrics
 from service.bus.base import TOPICS, Topic, record_key
@@ -48,8 +48,8 @@ from service.bus.kafka.admin import (
     build_client,
     check_compression,
     client_security,
+    create_missing_topics,
     describe,
-    ensure_topics,
     topic_names,
 )
 from service.bus.kafka.consumer import KafkaSubscription
@@ -376,11 +376,7 @@ class KafkaBus:
             return False
         producer = None
         try:
-            admin = build_client(KafkaAdminClient, client_id=f"{self._client_id}-admin", **self._client_config())
-            try:
-                ensure_topics(admin, self.names, self.kafka)
-            finally:
-                admin.close()
+            create_missing_topics(self._client_id, self._client_config(), self.names, self.kafka)
             producer = build_client(
                 KafkaProducer,
                 client_id=f"{self._client_id}-producer",
