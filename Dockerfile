@@ -7,6 +7,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY modelcanary ./modelcanary
 COPY service ./service
 COPY collectors ./collectors
 COPY dashboards ./dashboards

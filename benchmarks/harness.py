@@ -33,7 +33,7 @@ LITELLM_VERSION = "1.108.7"
 PORTKEY_DIR = Path(os.environ.get("PORTKEY_DIR", BENCH / ".portkey"))
 PORTKEY_VERSION = "1.15.2"
 PORTKEY_ENTRY = PORTKEY_DIR / "node_modules" / "@portkey-ai" / "gateway" / "build" / "start-server.js"
-CLI = [sys.executable, "-m", "service.cli"]
+CLI = [sys.executable, "-m", "modelcanary"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

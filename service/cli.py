@@ -8,10 +8,31 @@ import logging
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING, Protocol
 
 from service.config import Config, ConfigError, load_config
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
 log = logging.getLogger("modelcanary")
+
+
+class Wiring(Protocol):
+    """What the commands need of `collectors`, handed in by the composition root
+    (`modelcanary.compose`): this package never imports `collectors`."""
+
+    WORKER_FACTORY: str  # "module:function", the uvicorn factory of `serve --workers N`
+
+    def create_app(self, config: Config, config_path: str | None = None) -> FastAPI: ...
+
+    def collect(self, config: Config) -> int: ...
+
+    def capture(self, args: argparse.Namespace) -> int: ...
+
+    def dataset_stats(self, path: str) -> int: ...
+
+    def replay(self, args: argparse.Namespace) -> int: ...
 
 
 def _config_or_exit(path: str) -> Config:
@@ -56,15 +77,6 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def worker_app():
-    """uvicorn factory for `serve --workers N` (each worker process): the app, with the GC tuned."""
-    from service.compose import create_app_from_env
-
-    app = create_app_from_env()
-    tune_gc()
-    return app
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -88,12 +100,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if workers > 1:
         os.environ["MODELCANARY_CONFIG"] = os.path.abspath(args.config)
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="modelcanary-metrics-"))
-        uvicorn.run("service.cli:worker_app", factory=True, workers=workers, **common)
+        uvicorn.run(args.wiring.WORKER_FACTORY, factory=True, workers=workers, **common)
         return 0
-    from service.compose import create_app
     from service.proxy.server import DrainingServer
 
-    app = create_app(config, os.path.abspath(args.config))
+    app = args.wiring.create_app(config, os.path.abspath(args.config))
     server = DrainingServer(uvicorn.Config(app, **common), app.state.runtime)
     tune_gc()
     server.run()
@@ -101,11 +112,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    from service.compose import collect
-
     config = _config_or_exit(args.config)
     _logging()
-    return collect(config)
+    return args.wiring.collect(config)
 
 
 def cmd_control(args: argparse.Namespace) -> int:
@@ -171,21 +180,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    from service.compose import capture
-
-    return capture(args)
+    return args.wiring.capture(args)
 
 
 def cmd_dataset(args: argparse.Namespace) -> int:
-    from service.compose import dataset_stats
-
-    return dataset_stats(args.dataset)
+    return args.wiring.dataset_stats(args.dataset)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from service.compose import replay
-
-    return replay(args)
+    return args.wiring.replay(args)
 
 
 def cmd_dashboards(args: argparse.Namespace) -> int:
@@ -297,13 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, wiring: Wiring) -> int:
+    """Run one command; `modelcanary.compose.main` is the entry point that hands in the wiring."""
     args = build_parser().parse_args(argv)
+    args.wiring = wiring
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

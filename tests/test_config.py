@@ -17,7 +17,7 @@ EXAMPLES = sorted(p for d in ("examples", "service/demo/configs") for p in (ROOT
 
 
 def check_config(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service.cli", "check-config", str(path)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "modelcanary", "check-config", str(path)], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
 
 
@@ -129,7 +129,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_serve_refuses_a_bad_config_with_the_path(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"providers": {}, "models": {}, "routes": {"r": {"stable": "m"}}}))
-    result = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--config", str(path)],
+    result = subprocess.run([sys.executable, "-m", "modelcanary", "serve", "--config", str(path)],
                             capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 1
     assert "routes.r.stable: unknown model 'm'" in result.stderr and "Traceback" not in result.stderr
@@ -173,7 +173,7 @@ def test_an_unset_kafka_secret_variable_stops_start_with_its_field(tmp_path, com
         "events": {"backend": "kafka", "kafka": {"bootstrap_servers": "127.0.0.1:1",
                                                  "security": {"sasl_plain_password_env": "MC_TEST_UNSET_SECRET"}}},
     }))
-    result = subprocess.run([sys.executable, "-m", "service.cli", command, "--config", str(path)],
+    result = subprocess.run([sys.executable, "-m", "modelcanary", command, "--config", str(path)],
                             capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 1
     assert ("events.kafka.security.sasl_plain_password_env: environment variable 'MC_TEST_UNSET_SECRET' is not set"

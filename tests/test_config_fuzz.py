@@ -157,11 +157,11 @@ def test_check_config_cli_prints_lines_not_a_traceback(tmp_path):
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00garbage")
     for path in (bad, binary, tmp_path / "missing.yaml"):
-        r = subprocess.run([sys.executable, "-m", "service.cli", "check-config", str(path)],
+        r = subprocess.run([sys.executable, "-m", "modelcanary", "check-config", str(path)],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 1, r
         assert "Traceback" not in r.stderr and r.stderr.strip(), r.stderr
-    r = subprocess.run([sys.executable, "-m", "service.cli", "check-config", str(bad)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "modelcanary", "check-config", str(bad)], capture_output=True,
                        text=True, timeout=60)
     assert "providers.sim.base_url: must be an http(s) URL" in r.stderr
     assert "routes.r.surprise: unknown key" in r.stderr

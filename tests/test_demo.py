@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def demo(*args: str) -> tuple[str, str]:
-    result = subprocess.run([sys.executable, "-m", "service.cli", "demo", "--duration", "55", *args],
+    result = subprocess.run([sys.executable, "-m", "modelcanary", "demo", "--duration", "55", *args],
                             capture_output=True, text=True, cwd=ROOT, timeout=150)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result.stdout, result.stdout.strip().splitlines()[-1]
@@ -57,7 +57,7 @@ def test_demo_runs_from_an_installed_wheel(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for package in ("service", "collectors", "dashboards"):
+    for package in ("modelcanary", "service", "collectors", "dashboards"):
         shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist, venv, cwd = tmp_path / "dist", tmp_path / "venv", tmp_path / "elsewhere"
     pip = [sys.executable, "-m", "pip"]

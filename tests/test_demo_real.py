@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(420)
 def test_real_model_demo_rolls_back_the_verbose_prompt():
     require_real_llm()
-    result = subprocess.run([sys.executable, "-m", "service.cli", "demo", "--real-model"],
+    result = subprocess.run([sys.executable, "-m", "modelcanary", "demo", "--real-model"],
                             capture_output=True, text=True, cwd=ROOT, timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "llama.cpp server" in result.stdout and "candidate: smol-verbose" in result.stdout

@@ -36,7 +36,7 @@ def cli(args: list[str], env: dict | None = None, timeout: float = 240) -> subpr
 
 def in_process(capsys, args: list[str]) -> tuple[int, str, str]:
     """The same command without a new interpreter (exit code, stdout, stderr): for the quick ones."""
-    from service.cli import main
+    from modelcanary.compose import main
 
     capsys.readouterr()
     code = main(args)

@@ -62,7 +62,7 @@ def test_admin_token_constant_time_and_audit_log_without_the_token(monkeypatch, 
     from starlette.testclient import TestClient
 
     import service.admin.api
-    from service.compose import create_app
+    from modelcanary.compose import create_app
 
     token = "adm-" + uuid.uuid4().hex
     monkeypatch.setenv("MODELCANARY_ADMIN_TOKEN", token)

@@ -1,4 +1,4 @@
-"""`modelcanary capture | dataset stats | replay`: flags in, exit code out (service/compose.py calls these).
+"""`modelcanary capture | dataset stats | replay`: flags in, exit code out (modelcanary/compose.py calls these).
 
 Exit codes: 0 done (replay: nothing confidently worse), 1 replay found something confidently worse
 (capture: the records could not be read), 2 bad input (a flag, the config, the dataset, the

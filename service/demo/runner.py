@@ -347,7 +347,7 @@ class DemoStack:
         config_file, good, self.pace = chosen
         self.mix = SEGMENT_MIX if chosen is SEGMENTED else ROUTE_MIX
         cfg = yaml.safe_load((CONFIGS / config_file).read_text())
-        cli = [sys.executable, "-m", "service.cli"]
+        cli = [sys.executable, "-m", "modelcanary"]
         self.log_path = workdir / "services.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.procs: list[subprocess.Popen] = []

@@ -1,7 +1,7 @@
 """The proxy service: wires config, bus, rollout book, providers and the HTTP routes.
 
 Memory mode's shadow workers come in as a `ShadowRunner` from the composition root
-(`service.compose`: they run in a child process, `collectors.embedded`), so that this package never
+(`modelcanary.compose`: they run in a child process, `collectors.embedded`), so that this package never
 imports `collectors`."""
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The composition root: the one module under `service/` that imports `collectors`.
+"""The composition root: the one module that imports both `service` and `collectors`, and the
+`modelcanary` command's entry point. `service.cli` parses and runs the commands; what needs the
+shadow workers or the golden sets comes from here (`service.cli.Wiring`), so `service` never
+imports `collectors`.
 
 `modelcanary serve` in memory mode runs the proxy and the controller in one process and the shadow
 workers in a child process of it (collectors.embedded), and `modelcanary collect` runs the workers
@@ -8,23 +11,31 @@ alone. Everywhere else the parts meet only on the event bus.
 from __future__ import annotations
 
 import os
+import sys
 
 from fastapi import FastAPI
 
 from collectors import worker
 from collectors.embedded import run_in_child
+from service import cli
 from service.config import Config, load_config
 from service.proxy import app
+
+# uvicorn imports this (`serve --workers N`): each worker process builds its own app
+WORKER_FACTORY = "modelcanary.compose:worker_app"
 
 
 def create_app(config: Config, config_path: str | None = None) -> FastAPI:
     return app.create_app(config, config_path, shadow_workers=run_in_child)
 
 
-def create_app_from_env() -> FastAPI:
-    """uvicorn factory for `serve --workers N`: the config path comes from MODELCANARY_CONFIG."""
+def worker_app() -> FastAPI:
+    """uvicorn factory for `serve --workers N` (each worker process): the config path comes from
+    MODELCANARY_CONFIG; the GC is tuned as in one process."""
     path = os.environ["MODELCANARY_CONFIG"]
-    return create_app(load_config(path), path)
+    application = create_app(load_config(path), path)
+    cli.tune_gc()
+    return application
 
 
 def collect(config: Config) -> int:
@@ -51,3 +62,8 @@ def replay(args) -> int:
     from collectors.golden.commands import replay as run
 
     return run(args.dataset, args.candidate, args.stable, args.repeats, args.config, args.json, args.against_report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `modelcanary` command."""
+    return cli.main(argv, wiring=sys.modules[__name__])
