@@ -249,14 +249,29 @@ def simulator(stack: Stack, config: dict | None = None, name: str = "sim") -> Pr
                             stack.tmp / f"{name}.log", ready_url=f"http://127.0.0.1:{port}/healthz", port=port))
 
 
-def proxy(stack: Stack, config: dict, name: str = "modelcanary", workers: int = 1, env: dict | None = None) -> Proc:
+def proxy(stack: Stack, config: dict, name: str = "modelcanary", workers: int = 1, env: dict | None = None,
+          tree: Path | None = None) -> Proc:
+    """`modelcanary serve`. With `tree`, from that source tree (`git archive <commit> | tar -x -C DIR`),
+    with this venv's python: cwd and PYTHONPATH are the tree, so its own code is imported; as
+    `python -m modelcanary` if the tree has it, else `python -m service.cli` (its entry point before)."""
     port = free_port()
     cfg = write_yaml(stack.tmp / f"{name}.yaml", config)
-    args = CLI + ["serve", "--config", str(cfg), "--port", str(port)]
+    cli = CLI
+    if tree is not None:
+        if not (tree / "modelcanary" / "__main__.py").exists():
+            cli = [sys.executable, "-m", "service.cli"]
+        env = {**(env or {}), "PYTHONPATH": str(tree)}
+    args = cli + ["serve", "--config", str(cfg), "--port", str(port)]
     if workers > 1:
         args += ["--workers", str(workers)]
     return stack.start(Proc(name, args, stack.tmp / f"{name}.log", env=env,
-                            ready_url=f"http://127.0.0.1:{port}/readyz", port=port))
+                            ready_url=f"http://127.0.0.1:{port}/readyz", port=port, cwd=tree))
+
+
+def tree_label(tree: Path) -> str:
+    """A source tree's commit, from its `COMMIT` file if it has one, else the directory's name."""
+    f = tree / "COMMIT"
+    return f.read_text().strip() if f.exists() else tree.name
 
 
 def litellm_available() -> str | None:

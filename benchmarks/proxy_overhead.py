@@ -12,12 +12,17 @@ on every request. It is warmed up longer than the others (20 s, 5 s in a quick r
 thousands of requests (in a check on a 2-core VM its req/s rose from ~150-250 to ~800 over its
 first ~16 s of load).
 
-    python benchmarks/proxy_overhead.py [--quick] [--no-litellm] [--no-portkey] [--rounds N]
+    python benchmarks/proxy_overhead.py [--quick] [--no-litellm] [--no-portkey] [--rounds N] [--baseline-tree DIR]
 
 With `--rounds N` the targets take turns, N rounds of 1/N of the time each, and each number is the
 median over the rounds: on a machine whose load moves during the run, every target then sees the
 same conditions. By default (one round) each target runs its full time in one go, as in the
 reference results.
+
+`--baseline-tree DIR` adds a target, modelcanary@baseline: the proxy run from another source tree
+(`git archive <commit> | tar -x -C DIR`, see `harness.proxy`) with the same config, in the same
+turns (the two trees swap places every other round), and reports current ÷ baseline for added p50
+at c=1 and max req/s, each to be within 5%; results in results/proxy_overhead_vs_baseline.json.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ TARGET_RPS = 3000
 TARGET_RATIO = 15.0
 TARGET_RATIO_PORTKEY = 5.0
 PEERS = {"litellm": "LiteLLM", "portkey": "Portkey"}
+BASELINE = "modelcanary@baseline"
+BASELINE_TOLERANCE = 0.05   # current within 5% of the baseline tree
 
 
 def _measure(proc: h.Proc, body: dict, concurrency: int, duration_s: float, tmp: Path,
@@ -95,7 +102,8 @@ def _start_portkey(st: h.Stack, sim: h.Proc) -> tuple[h.Proc | None, str | None]
     return pk, None
 
 
-def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = True, rounds: int = 1) -> dict:
+def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = True, rounds: int = 1,
+        baseline_tree: Path | None = None) -> dict:
     duration = 2.0 if quick else 10.0   # of load per target and concurrency, split over the rounds
     rounds = max(1, min(rounds, int(duration)))   # wrk runs whole seconds
     per_run = duration / rounds
@@ -113,6 +121,12 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
         targets: dict[str, tuple[h.Proc, dict, dict | None, float]] = {
             "direct": (sim, h.DIRECT_BODY, None, 1 if quick else 3),
             "modelcanary": (mc, h.CHAT_BODY, None, 1 if quick else 3)}
+        if baseline_tree is not None:   # the same config, its own state and spool directories
+            (st.tmp / "baseline").mkdir()
+            mcb = h.proxy(st, h.proxy_config(st.tmp / "baseline", sim.url, shadow_rate=0.1), name=BASELINE,
+                          tree=baseline_tree)
+            h.check_ok(mcb.url + PATH)
+            targets[BASELINE] = (mcb, h.CHAT_BODY, None, 1 if quick else 3)
         if with_litellm:
             why = h.ensure_litellm()
             if why is None:
@@ -126,7 +140,12 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
             if pk is not None:   # its JIT needs thousands of requests: a longer warm-up
                 targets["portkey"] = (pk, h.DIRECT_BODY, h.portkey_headers(sim.url), 5 if quick else 20)
         for r in range(rounds):
-            for name, (proc, body, headers, warm_s) in list(targets.items()):
+            order = list(targets)
+            if r % 2 and BASELINE in targets:   # ABBA: neither tree always goes first
+                i, j = order.index("modelcanary"), order.index(BASELINE)
+                order[i], order[j] = order[j], order[i]
+            for name in order:
+                proc, body, headers, warm_s = targets[name]
                 try:
                     if r == 0:
                         h.wrk(proc.url + PATH, body, 16, warm_s, tmp=st.tmp, headers=headers)
@@ -158,7 +177,7 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
         r = runs.get(name, {}).get(c)
         return round(r[q] - direct[c][q], 4) if r and r.get(q) is not None else None
 
-    proxies = [n for n in ("modelcanary", "litellm", "portkey") if n in runs]
+    proxies = [n for n in ("modelcanary", BASELINE, "litellm", "portkey") if n in runs]
     summary: dict[str, dict] = {}
     for name in proxies:
         s: dict = {}
@@ -189,6 +208,20 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
             checks[f"≥ {target:g}× less added latency than {PEERS[peer]} (p50, c=1)"] = \
                 lat_ratio is not None and lat_ratio > 0 and 1 / lat_ratio >= target
             checks[f"≥ {target:g}× {PEERS[peer]}'s throughput"] = (ratios[f"max_rps (mc÷{peer})"] or 0) >= target
+    baseline: dict | None = None
+    if BASELINE in summary and baseline_tree is not None:   # latency: current ≤ 1.05× baseline; req/s: ≥ 0.95×
+        label = h.tree_label(baseline_tree)
+        cur, base = summary["modelcanary"], summary[BASELINE]
+        lat_ok = cur["added_p50_ms_c1"] is not None and base["added_p50_ms_c1"] is not None and \
+            cur["added_p50_ms_c1"] <= (1 + BASELINE_TOLERANCE) * base["added_p50_ms_c1"]
+        rps_ok = cur["max_rps"] >= (1 - BASELINE_TOLERANCE) * base["max_rps"]
+        baseline = {"tree": str(baseline_tree), "commit": label,
+                    "ratios": {"added_p50_ms_c1 (current÷baseline)": h.ratio(cur["added_p50_ms_c1"],
+                                                                             base["added_p50_ms_c1"]),
+                               "max_rps (current÷baseline)": h.ratio(cur["max_rps"], base["max_rps"])},
+                    "within_5pct": {"added_p50_ms_c1": lat_ok, "max_rps": rps_ok}}
+        checks[f"added p50 at c=1 ≤ 1.05× {label}'s"] = lat_ok
+        checks[f"max req/s ≥ 0.95× {label}'s"] = rps_ok
 
     rows = []
     for name in ["direct", *proxies]:
@@ -226,6 +259,15 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
             ["max req/s", rps, (f"{rps:.0f}× the throughput" if rps >= 10 else f"{rps:.1f}× the throughput")
              if rps else "–"],
         ], digits=3)]
+    if baseline is not None:
+        cur, base = summary["modelcanary"], summary[BASELINE]
+        md += ["", h.table(["metric", "current", f"baseline ({baseline['commit']})", "current ÷ baseline",
+                            "within 5%"], [
+            ["added p50 ms, c=1", cur["added_p50_ms_c1"], base["added_p50_ms_c1"],
+             baseline["ratios"]["added_p50_ms_c1 (current÷baseline)"], baseline["within_5pct"]["added_p50_ms_c1"]],
+            ["max req/s", cur["max_rps"], base["max_rps"], baseline["ratios"]["max_rps (current÷baseline)"],
+             baseline["within_5pct"]["max_rps"]],
+        ], digits=3)]
     md += ["", ("Added latency is measured against the better of two direct runs (before and after the proxies). "
                 if rounds == 1 else "Added latency is measured against the direct runs of the same rounds. ") +
            f"modelcanary shadowed {shadowed:,.0f} requests in this run (10% sampled, "
@@ -243,8 +285,9 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
             "peers": {"litellm": {"version": h.LITELLM_VERSION, "measured": "litellm" in runs},
                       "portkey": {"version": h.PORTKEY_VERSION, "measured": "portkey" in runs,
                                   "node": _node_version() if "portkey" in runs else None,
-                                  "skipped_because": portkey_why}}}
-    h.write_result("proxy_overhead", data)
+                                  "skipped_because": portkey_why}},
+            "baseline": baseline}
+    h.write_result("proxy_overhead" if baseline is None else "proxy_overhead_vs_baseline", data)
     return {"name": "proxy_overhead", "markdown": "\n".join(md), "data": data}
 
 
@@ -263,8 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure the targets in turns, N rounds of 1/N of the time each, and report medians "
                         "(for a machine whose load moves during the run)")
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="also run the proxy from this source tree (e.g. `git archive <commit> | tar -x -C DIR`) "
+                        "and report current ÷ baseline; results in proxy_overhead_vs_baseline.json")
     args = p.parse_args(argv if argv is not None else sys.argv[1:])
-    print(run(args.quick, not args.no_litellm, not args.no_portkey, args.rounds)["markdown"])
+    tree = args.baseline_tree.resolve() if args.baseline_tree else None
+    print(run(args.quick, not args.no_litellm, not args.no_portkey, args.rounds, tree)["markdown"])
     return 0
 
 

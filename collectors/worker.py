@@ -88,6 +88,7 @@ class LoopLag:
     backlog, many evaluations scoring at once) the loop picks up answers late, and the measure is
     the worker's delay, not the model's. Such a latency is not recorded (None): a call keeps its
     latency only when the loop was late by at most LAG_TOLERANCE of it (or LAG_FLOOR_S) meanwhile.
+    The timer runs only while a call is measured: an idle worker does not wake up.
     """
 
     INTERVAL_S = 0.005
@@ -96,16 +97,34 @@ class LoopLag:
 
     def __init__(self) -> None:
         self.total = 0.0
+        self._measuring = 0
+        self._due = 0.0
+        self._ticker: asyncio.Task | None = None
 
-    async def run(self) -> None:
+    def start(self) -> float:
+        """Begin measuring one call; the mark to hand to `stop`."""
+        self._measuring += 1
+        if self._ticker is None:
+            loop = asyncio.get_running_loop()
+            self._due = loop.time() + self.INTERVAL_S
+            self._ticker = loop.create_task(self._tick(), name="shadow-loop-lag")
+        return self.total
+
+    def stop(self, latency_s: float, mark: float) -> bool:
+        """End one call's measure: whether its latency is the model's (the loop was on time meanwhile)."""
+        self._measuring -= 1
+        late = self.total - mark + max(0.0, asyncio.get_running_loop().time() - self._due)  # + a tick not run yet
+        if not self._measuring and self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+        return late <= max(self.LAG_FLOOR_S, self.LAG_TOLERANCE * latency_s)
+
+    async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            due = loop.time() + self.INTERVAL_S
-            await asyncio.sleep(self.INTERVAL_S)
-            self.total += max(0.0, loop.time() - due)
-
-    def trusted(self, latency_s: float, lag_before: float) -> bool:
-        return self.total - lag_before <= max(self.LAG_FLOOR_S, self.LAG_TOLERANCE * latency_s)
+            await asyncio.sleep(max(0.0, self._due - loop.time()))
+            self.total += max(0.0, loop.time() - self._due)
+            self._due = loop.time() + self.INTERVAL_S
 
 
 class ShadowClient:
@@ -117,7 +136,7 @@ class ShadowClient:
         self.tracing = tracing if getattr(tracing, "enabled", False) else None
         self.budgets: dict[str, RetryBudget] = {}
         self.spend = SpendCap(config)
-        self.lag = LoopLag()  # measured while a ShadowWorker runs (`ShadowWorker.run`)
+        self.lag = LoopLag()
 
     async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None,
                    link_traceparent: str | None = None, finish_span: bool = True, share: str | None = None) -> ShadowCall:
@@ -157,10 +176,13 @@ class ShadowClient:
             if span is not None:
                 span.retry(retry_no, cause, t0, t1)
 
-        started, lag_before = time.perf_counter(), self.lag.total
-        result = await self._send(provider, data, headers, budget, on_retry, model_key, asked, checks, fmt)
-        latency = time.perf_counter() - started
-        result.latency_s = latency if self.lag.trusted(latency, lag_before) else None
+        started, mark = time.perf_counter(), self.lag.start()
+        try:
+            result = await self._send(provider, data, headers, budget, on_retry, model_key, asked, checks, fmt)
+        finally:
+            latency = time.perf_counter() - started
+            trusted = self.lag.stop(latency, mark)
+        result.latency_s = latency if trusted else None
         result.cost_usd = model.price.cost(result.input_tokens, result.output_tokens)
         self.spend.add(route, result.cost_usd, share=share)
         result.span = span
@@ -281,7 +303,6 @@ class ShadowWorker:
         everything taken so far is published: when the worker runs dry, or every COMMIT_INTERVAL_S
         (it then stops taking new records until those in flight are done)."""
         self.embedders.load()
-        lag = asyncio.create_task(self.client.lag.run(), name="shadow-loop-lag")
         sub = self.bus.subscribe(["traffic"], group=self.group)
         inflight: set[asyncio.Task] = set()
         backlog: deque = deque()  # taken from the bus, not started yet (at most `batch_size`)
@@ -330,7 +351,6 @@ class ShadowWorker:
         finally:
             for task in list(inflight):
                 task.cancel()
-            lag.cancel()
             await sub.close()
             await self.embedders.aclose()
             log.info("shadow worker stopped: %d evaluated, %d skipped, %d errors",

@@ -14,6 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 BUILTIN_SEGMENTS = ("tools", "json", "long_context", "multi_turn", "chat")
 
 
+def check_regex(pattern: str, where: str = "") -> None:
+    """Raise ValueError naming the pattern (and `where`) when it does not compile."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{where}invalid regex {pattern!r}: {e}") from None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
@@ -165,10 +173,7 @@ class ShadowConfig(Strict):
                 if pattern not in REDACT_BUILTINS:
                     raise ValueError(f"unknown built-in pattern {pattern!r}; use one of {', '.join(REDACT_BUILTINS)}")
                 continue
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"invalid regex {pattern!r}: {e}") from None
+            check_regex(pattern)
         return v
 
 

@@ -65,12 +65,8 @@ class Recent:
         if len(values) != w:
             raise ValueError(f"put takes {w} values, not {len(values)}")
         h = hash(key) or ZERO_HASH
-        slots, keys, mask = self._slots, self._keys, self._mask
-        i = (h ^ (h >> 32)) & mask
-        e = slots[i]
-        while e and keys[e - 1] != h:
-            i = (i + 1) & mask
-            e = slots[i]
+        i = self._slot(h)
+        e = self._slots[i]
         if e:
             e -= 1
             had = (self._values[e],) if w == 1 else tuple(self._values[e * w:e * w + w])

@@ -104,7 +104,8 @@ async def live_traffic(config: Config, requests: list[dict], tag: str) -> list[T
             events.append(TrafficEvent(
                 request_id=f"{tag}-{i}", ts=time.time(), route=ROUTE,
                 segment=classify_segment(body, None, rc.task_types), request=body,
-                primary=PrimaryResult(model=rc.stable, status=200, body=live.response, latency_s=live.latency_s,
+                primary=PrimaryResult(model=rc.stable, status=200, body=live.response,
+                                      latency_s=live.latency_s or 0.0,  # None: measured on a busy loop
                                       usage=live.usage, outcome="completed"),
                 config_version=config.version()))
     finally:
@@ -212,20 +213,23 @@ def test_a_latency_measured_while_the_worker_loop_is_busy_is_not_recorded():
 
     async def go():
         lag = LoopLag()
-        monitor = asyncio.create_task(lag.run())
-        await asyncio.sleep(0.02)
-        before = lag.total
+        mark = lag.start()
         await asyncio.sleep(0.02)  # an idle loop: a call of 0.5 s is measured (a small lag is tolerated)
-        idle = lag.trusted(0.5, before)
-        before = lag.total
+        idle = lag.stop(0.5, mark)
+        stopped = lag._ticker is None  # nothing measured: the timer does not run
+        mark = lag.start()
         time.sleep(0.3)  # the loop busy with other work (scoring a backlog, say) for 300 ms
+        busy = lag.stop(0.35, mark)  # the answer is picked up before the late timer runs
+        mark = lag.start()
+        time.sleep(0.3)
         await asyncio.sleep(0.01)
-        busy = lag.trusted(0.35, before)
-        monitor.cancel()
-        return idle, busy, lag.total - before
+        lag_while_busy = lag.total - mark
+        busy_after_tick = lag.stop(0.35, mark)
+        return idle, stopped, busy, busy_after_tick, lag_while_busy
 
-    idle, busy, lag_while_busy = asyncio.run(go())
-    assert idle and not busy and lag_while_busy >= 0.25
+    idle, stopped, busy, busy_after_tick, lag_while_busy = asyncio.run(go())
+    assert idle and stopped
+    assert not busy and not busy_after_tick and lag_while_busy >= 0.25
 
 
 def agreement_rows(records: list[EvaluationRecord]) -> dict:

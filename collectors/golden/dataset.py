@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +27,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from service.config import ConfigError, validated
+from service.config import ConfigError, check_regex, validated
 from service.records import PrimaryResult
 
 SCHEMA = "modelcanary.case/v1"
@@ -48,10 +47,7 @@ class ToolCallCheck(Strict):
     def _patterns_compile(cls, v: dict[str, Any]) -> dict[str, Any]:
         for key, pattern in v.items():
             if isinstance(pattern, str):
-                try:
-                    re.compile(pattern)
-                except re.error as e:
-                    raise ValueError(f"argument {key!r}: invalid regex {pattern!r}: {e}") from None
+                check_regex(pattern, f"argument {key!r}: ")
         return v
 
 

@@ -25,6 +25,15 @@ def message_chars(messages: list) -> int:
     return total
 
 
+def content_text(content: object) -> str:
+    """Text of a content string or of a list of parts/blocks with `text`."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
 def wants_json(body: dict) -> bool:
     fmt = body.get("response_format")
     return isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")

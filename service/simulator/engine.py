@@ -544,8 +544,8 @@ class Engine:
             return Reply(hang=True)
         return None  # bad_response: built by the caller, which knows the body
 
-    def _body_and_model(self, raw: bytes) -> tuple[dict, ModelState] | Reply:
-        """The JSON body and the simulated model it names, or the error OpenAI would answer."""
+    def _body_and_model(self, raw: bytes, field: str) -> tuple[dict, ModelState, Any] | Reply:
+        """The JSON body, the simulated model it names and its required `field`, or the error OpenAI would answer."""
         try:
             body = _loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -558,19 +558,29 @@ class Engine:
         ms = self.models.get(model) if isinstance(model, str) else None
         if ms is None:
             return self._model_not_found(model)
-        return body, ms
+        value = body.get(field)
+        if value is None:
+            return missing_param(field)
+        return body, ms, value
+
+    def _effective(self, body: dict, task_type: str | None, ms: ModelState) -> Effective:
+        """The model's behaviour now, in the request's segment."""
+        return ms.behaviour(classify_segment(body, task_type, ms.segment_names), self.clock() - self.started)
+
+    def _body_reply(self, out: bytes, draw: Draw, latency: float) -> Reply:
+        """A whole JSON answer, cut in half by a `bad_response` failure."""
+        if draw.failure == "bad_response":
+            out = out[: max(1, len(out) // 2)]
+        return Reply(body=out, delay=self._scaled(latency))
 
     # -------------------------------------------------------- POST /v1/chat/completions
 
     def chat(self, raw: bytes, task_type: str | None = None) -> Reply:  # noqa: C901 - the simulated request's steps in order (parse, fail, answer, price)
-        parsed = self._body_and_model(raw)
+        parsed = self._body_and_model(raw, "messages")
         if isinstance(parsed, Reply):
             return parsed
-        body, ms = parsed
+        body, ms, messages = parsed
         model = ms.name
-        messages = body.get("messages")
-        if messages is None:
-            return missing_param("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             return invalid_param("messages", "'messages' must be a non-empty array of objects with a 'role'.")
@@ -580,15 +590,11 @@ class Engine:
             n = 1
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
             return invalid_param("n", f"Invalid 'n': {n!r}; expected an integer from 1 to 16.")
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                       or max_tokens < 1):
-            return invalid_param("max_tokens", f"Invalid 'max_tokens': {max_tokens!r}; expected an integer >= 1.")
+        max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+        if isinstance(max_tokens, Reply):
+            return max_tokens
 
-        segment = classify_segment(body, task_type, ms.segment_names)
-        eff = ms.behaviour(segment, self.clock() - self.started)
+        eff = self._effective(body, task_type, ms)
         prompt_tokens = max(1, estimate_tokens(message_chars(messages)))
         if prompt_tokens > eff.context_tokens:
             return error_reply(
@@ -621,9 +627,8 @@ class Engine:
         created = int(time.time())
         latency = max(draw.latency, draw.ttft)
         if stream:
-            include_usage = isinstance(body.get("stream_options"), dict) and \
-                body["stream_options"].get("include_usage") is True
-            return self._chat_stream(cid, created, model, answers, usage if include_usage else None, draw, latency)
+            return self._chat_stream(cid, created, model, answers, usage if _include_usage(body) else None, draw,
+                                     latency)
         choices = []
         for i, a in enumerate(answers):
             message: dict[str, Any] = {"role": "assistant", "content": a.content, "refusal": a.refusal,
@@ -637,9 +642,7 @@ class Engine:
         out = _dumps({"id": cid, "object": "chat.completion", "created": created, "model": model,
                       "choices": choices, "usage": usage, "service_tier": "default",
                       "system_fingerprint": "fp_simulator"}).encode()
-        if draw.failure == "bad_response":
-            out = out[: max(1, len(out) // 2)]
-        return Reply(body=out, delay=self._scaled(latency))
+        return self._body_reply(out, draw, latency)
 
     def _facts(self, eff: Effective, akey: int, wrong_key: int) -> list:
         """The facts of a text answer (one of them wrong with a wrong_key)."""
@@ -790,14 +793,11 @@ class Engine:
     # -------------------------------------------------------- POST /v1/completions (legacy)
 
     def completion(self, raw: bytes, task_type: str | None = None) -> Reply:  # noqa: C901 - the legacy completions twin of chat(), same steps
-        parsed = self._body_and_model(raw)
+        parsed = self._body_and_model(raw, "prompt")
         if isinstance(parsed, Reply):
             return parsed
-        body, ms = parsed
+        body, ms, prompt = parsed
         model = ms.name
-        prompt = body.get("prompt")
-        if prompt is None:
-            return missing_param("prompt")
         if isinstance(prompt, str):
             prompt_chars = len(prompt)
         elif isinstance(prompt, list):
@@ -805,12 +805,10 @@ class Engine:
                                for p in prompt)
         else:
             return invalid_param("prompt", "'prompt' must be a string or an array.")
-        max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                       or max_tokens < 1):
-            return invalid_param("max_tokens", f"Invalid 'max_tokens': {max_tokens!r}; expected an integer >= 1.")
-        segment = classify_segment(body, task_type, ms.segment_names)
-        eff = ms.behaviour(segment, self.clock() - self.started)
+        max_tokens = _max_tokens(body, "max_tokens")
+        if isinstance(max_tokens, Reply):
+            return max_tokens
+        eff = self._effective(body, task_type, ms)
         prompt_tokens = max(1, estimate_tokens(prompt_chars))
         if prompt_tokens > eff.context_tokens:
             return error_reply(
@@ -840,8 +838,7 @@ class Engine:
         created = int(time.time())
         latency = max(draw.latency, draw.ttft)
         if body.get("stream") is True:
-            include_usage = isinstance(body.get("stream_options"), dict) and \
-                body["stream_options"].get("include_usage") is True
+            include_usage = _include_usage(body)
             head = ('{"id":"' + cid + '","object":"text_completion","created":' + str(created) + ',"model":'
                     + _dumps(model) + ',"choices":[')
             tail = "]" + (',"usage":null}' if include_usage else "}")
@@ -859,21 +856,16 @@ class Engine:
         out = _dumps({"id": cid, "object": "text_completion", "created": created, "model": model,
                       "choices": [{"text": "".join(pieces), "index": 0, "logprobs": None, "finish_reason": finish}],
                       "usage": usage, "system_fingerprint": "fp_simulator"}).encode()
-        if draw.failure == "bad_response":
-            out = out[: max(1, len(out) // 2)]
-        return Reply(body=out, delay=self._scaled(latency))
+        return self._body_reply(out, draw, latency)
 
     # -------------------------------------------------------- POST /v1/embeddings
 
     def embeddings(self, raw: bytes, task_type: str | None = None) -> Reply:
-        parsed = self._body_and_model(raw)
+        parsed = self._body_and_model(raw, "input")
         if isinstance(parsed, Reply):
             return parsed
-        body, ms = parsed
+        body, ms, inp = parsed
         model = ms.name
-        inp = body.get("input")
-        if inp is None:
-            return missing_param("input")
         if isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(t, int) for t in inp)):
             inputs = [inp]
         elif isinstance(inp, list) and inp and all(isinstance(t, (str, list)) for t in inp):
@@ -886,9 +878,7 @@ class Engine:
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64", None):
             return invalid_param("encoding_format", f"Invalid 'encoding_format': {fmt!r}.")
-        segment = classify_segment(body, task_type, ms.segment_names)
-        eff = ms.behaviour(segment, self.clock() - self.started)
-        draw = ms.draw(eff, HTTP_KINDS)
+        draw = ms.draw(self._effective(body, task_type, ms), HTTP_KINDS)
         failed = self._failure_reply(draw, model)
         if failed is not None:
             return failed
@@ -904,12 +894,23 @@ class Engine:
             data.append({"object": "embedding", "index": i, "embedding": value})
         out = _dumps({"object": "list", "data": data, "model": model,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}).encode()
-        if draw.failure == "bad_response":
-            out = out[: max(1, len(out) // 2)]
-        return Reply(body=out, delay=self._scaled(draw.latency))
+        return self._body_reply(out, draw, draw.latency)
 
 
 # ---------------------------------------------------------------- request helpers
+
+
+def _max_tokens(body: dict, *keys: str) -> int | None | Reply:
+    """The first of `keys` the body sets, checked: an integer >= 1 (None: no cap)."""
+    value = next((body[k] for k in keys if body.get(k) is not None), None)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        return invalid_param("max_tokens", f"Invalid 'max_tokens': {value!r}; expected an integer >= 1.")
+    return value
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def _canonical(messages: list) -> list:

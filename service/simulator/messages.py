@@ -16,21 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from service.proxy.segments import estimate_tokens, message_chars
+from service.proxy.segments import content_text, estimate_tokens, message_chars
+from service.simulator import translate
 from service.simulator.engine import Engine, Reply
-from service.simulator.translate import (
-    ask_chat,
-    chat_error,
-    cut_off,
-    dumps,
-    first_choice,
-    json_format,
-    named_event,
-    parsed,
-    restream,
-    stream_chunks,
-    text_of,
-)
 
 CACHE_MEMORY = 10_000
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -39,7 +27,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 def anthropic_error(status: int, message: str, headers: tuple = (), delay: float = 0.0, kind: str | None = None) -> Reply:
-    body = dumps({"type": "error", "error": {"type": kind or ERROR_TYPES.get(status, "api_error"), "message": message}})
+    error = {"type": kind or ERROR_TYPES.get(status, "api_error"), "message": message}
+    body = translate.dumps({"type": "error", "error": error})
     return Reply(status=status, body=body.encode(), headers=headers, delay=delay)
 
 
@@ -51,13 +40,13 @@ def list_models(engine: Engine) -> Reply:
     """`GET /v1/models` as Anthropic's clients expect it."""
     data = [{"type": "model", "id": name, "display_name": name, "created_at": "2025-01-01T00:00:00Z"}
             for name in engine.models]
-    return Reply(body=dumps({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None}).encode())
+    return Reply(body=translate.dumps({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                                       "last_id": data[-1]["id"] if data else None}).encode())
 
 
 def _messages(body: dict) -> list[dict]:
     out: list[dict] = []
-    system = text_of(body.get("system"))
+    system = content_text(body.get("system"))
     if system:
         out.append({"role": "system", "content": system})
     for m in body.get("messages") or ():
@@ -67,11 +56,12 @@ def _messages(body: dict) -> list[dict]:
         blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
         for b in blocks:
             if b.get("type") == "tool_result":
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text_of(b.get("content"))})
-        calls = [{"id": b.get("id"), "type": "function", "function": {"name": b.get("name"),
-                                                                     "arguments": dumps(b.get("input") or {})}}
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": content_text(b.get("content"))})
+        calls = [{"id": b.get("id"), "type": "function",
+                  "function": {"name": b.get("name"), "arguments": translate.dumps(b.get("input") or {})}}
                  for b in blocks if b.get("type") == "tool_use"]
-        text = text_of(content)
+        text = content_text(content)
         if text or calls or not blocks:
             message: dict = {"role": m.get("role"), "content": text or None}
             if calls:
@@ -96,7 +86,7 @@ def _chat_body(body: dict) -> dict:
         elif kind == "tool":
             chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}  # type: ignore[union-attr]
     fmt = body.get("output_format")
-    if isinstance(fmt, dict) and (response_format := json_format(fmt.get("type"), fmt.get("schema"))):
+    if isinstance(fmt, dict) and (response_format := translate.json_format(fmt.get("type"), fmt.get("schema"))):
         chat["response_format"] = response_format
     if body.get("stream") is True:
         chat["stream"] = True
@@ -133,7 +123,7 @@ class MessagesEndpoint:
         self._cached: dict[tuple[str, str], None] = {}  # (model, cached prefix) already written
 
     def respond(self, raw: bytes, task_type: str | None = None) -> Reply:
-        body = parsed(raw)
+        body = translate.parsed(raw)
         if body is None:
             return anthropic_error(400, "There was an issue with the format or content of your request.")
         for field in ("model", "messages", "max_tokens"):
@@ -141,7 +131,7 @@ class MessagesEndpoint:
                 return anthropic_error(400, f"{field}: Field required")
         if not isinstance(body["messages"], list) or not body["messages"]:
             return anthropic_error(400, "messages: at least one message is required")
-        reply = ask_chat(self.engine, _chat_body(body), task_type)
+        reply = translate.ask_chat(self.engine, _chat_body(body), task_type)
         if reply.hang:
             return reply
         if reply.status != 200:
@@ -150,20 +140,20 @@ class MessagesEndpoint:
         usage = self._usage(body)
         if reply.frames is not None:
             return self._stream(reply, body, mid, usage)
-        chat = parsed(reply.body)
+        chat = translate.parsed(reply.body)
         if chat is None:  # bad_response: the engine cut its body, so cut ours
-            out = dumps(self._message(body, mid, [], None, usage)).encode()
+            out = translate.dumps(self._message(body, mid, [], None, usage)).encode()
             return replace(reply, body=out[: len(out) // 2])
-        message, finish = first_choice(chat)
+        message, finish = translate.first_choice(chat)
         usage["output_tokens"] = (chat.get("usage") or {}).get("completion_tokens", 0)
         content = self._content(body, message, finish)
-        return replace(reply, body=dumps(self._message(body, mid, content, self._stop(body, message, finish, usage),
-                                                       usage)).encode())
+        stop = self._stop(body, message, finish, usage)
+        return replace(reply, body=translate.dumps(self._message(body, mid, content, stop, usage)).encode())
 
     # -------------------------------------------------------- rendering
 
     def _error(self, reply: Reply) -> Reply:
-        err = chat_error(reply)
+        err = translate.chat_error(reply)
         status = 529 if reply.status == 503 else reply.status
         message = str(err.get("message") or "error")
         kind = None
@@ -179,8 +169,9 @@ class MessagesEndpoint:
     def _usage(self, body: dict) -> dict:
         prompt = max(1, estimate_tokens(message_chars(_messages(body))))
         prefix = _cached_prefix(body)
-        cached = min(prompt, estimate_tokens(sum(len(b) if isinstance(b, str) else len(text_of([b])) for b in prefix)))
-        key = (str(body.get("model")), dumps(prefix))
+        prefix_chars = sum(len(b) if isinstance(b, str) else len(content_text([b])) for b in prefix)
+        cached = min(prompt, estimate_tokens(prefix_chars))
+        key = (str(body.get("model")), translate.dumps(prefix))
         read = cached if prefix and key in self._cached else 0
         if prefix and not read:
             if len(self._cached) >= CACHE_MEMORY:
@@ -225,58 +216,54 @@ class MessagesEndpoint:
         def opening(block: dict) -> str:
             nonlocal kind
             kind = block["type"]
-            return named_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                       "content_block": block})
+            return translate.named_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                                 "content_block": block})
 
-        frames: list[bytes] = []
-        started = False
-        for chunks in stream_chunks(reply):
+        def done() -> list[str]:
+            stop = self._stop(body, message, finish, usage)
+            events = [] if kind is not None else [opening({"type": "text", "text": ""})]
+            message_delta = {"type": "message_delta", "usage": usage,
+                             "delta": {"stop_reason": stop, "stop_sequence": None}}
+            return events + [translate.named_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                             translate.named_event("message_delta", message_delta),
+                             translate.named_event("message_stop", {"type": "message_stop"})]
+
+        def told(chunk: dict) -> list[str]:  # noqa: C901 - a branch per kind of chat delta
+            nonlocal started, finish
             events: list[str] = []
-            for chunk in chunks:
-                if chunk is None:
-                    events.append(cut_off("content_block_delta"))
+            if chunk.get("usage"):
+                usage["output_tokens"] = chunk["usage"].get("completion_tokens", 0)
+            if not started:
+                started = True
+                start = self._message(body, mid, [], None, {**usage, "output_tokens": 1})
+                events.append(translate.named_event("message_start", {"type": "message_start", "message": start}))
+                events.append(translate.named_event("ping", {"type": "ping"}))
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("tool_calls"):
+                    tc = delta["tool_calls"][0]
+                    if tc.get("id"):
+                        message["tool_calls"] = [tc]
+                        events.append(opening({"type": "tool_use", "id": "toolu_" + tc["id"][5:],
+                                               "name": (tc.get("function") or {}).get("name"), "input": {}}))
+                    piece = (tc.get("function") or {}).get("arguments") or ""
+                    if piece:
+                        events.append(translate.named_event("content_block_delta", {
+                            "type": "content_block_delta", "index": 0,
+                            "delta": {"type": "input_json_delta", "partial_json": piece}}))
                     continue
-                if chunk == "[DONE]":
-                    stop = self._stop(body, message, finish, usage)
-                    if kind is None:
-                        events.append(opening({"type": "text", "text": ""}))
-                    events += [named_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
-                               named_event("message_delta", {"type": "message_delta", "usage": usage,
-                                                             "delta": {"stop_reason": stop, "stop_sequence": None}}),
-                               named_event("message_stop", {"type": "message_stop"})]
-                    continue
-                assert isinstance(chunk, dict)
-                if chunk.get("usage"):
-                    usage["output_tokens"] = chunk["usage"].get("completion_tokens", 0)
-                if not started:
-                    started = True
-                    start = self._message(body, mid, [], None, {**usage, "output_tokens": 1})
-                    events.append(named_event("message_start", {"type": "message_start", "message": start}))
-                    events.append(named_event("ping", {"type": "ping"}))
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("tool_calls"):
-                        tc = delta["tool_calls"][0]
-                        if tc.get("id"):
-                            message["tool_calls"] = [tc]
-                            events.append(opening({"type": "tool_use", "id": "toolu_" + tc["id"][5:],
-                                                   "name": (tc.get("function") or {}).get("name"), "input": {}}))
-                        piece = (tc.get("function") or {}).get("arguments") or ""
-                        if piece:
-                            events.append(named_event("content_block_delta", {
-                                "type": "content_block_delta", "index": 0,
-                                "delta": {"type": "input_json_delta", "partial_json": piece}}))
-                        continue
-                    text = delta.get("refusal") if delta.get("refusal") is not None else delta.get("content")
-                    if delta.get("refusal") is not None:
-                        message["refusal"] = True
-                    if text is not None and kind is None:
-                        events.append(opening({"type": "text", "text": ""}))
-                    if text:
-                        events.append(named_event("content_block_delta", {
-                            "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}))
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
-            frames.append("".join(events).encode())
-        return restream(reply, frames)
+                text = delta.get("refusal") if delta.get("refusal") is not None else delta.get("content")
+                if delta.get("refusal") is not None:
+                    message["refusal"] = True
+                if text is not None and kind is None:
+                    events.append(opening({"type": "text", "text": ""}))
+                if text:
+                    events.append(translate.named_event("content_block_delta", {
+                        "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}))
+                if choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+            return events
+
+        started = False
+        return translate.retold(reply, "content_block_delta", done, told)
 

@@ -15,19 +15,9 @@ import time
 from collections import OrderedDict
 from dataclasses import replace
 
+from service.proxy.segments import content_text
+from service.simulator import translate
 from service.simulator.engine import Engine, Reply, bad_json_reply, error_reply, missing_param
-from service.simulator.translate import (
-    ask_chat,
-    cut_off,
-    dumps,
-    first_choice,
-    json_format,
-    named_event,
-    parsed,
-    restream,
-    stream_chunks,
-    text_of,
-)
 
 STORED_RESPONSES = 10_000
 
@@ -43,7 +33,7 @@ def _messages(body: dict) -> list[dict]:
             continue
         kind = item.get("type", "message")
         if kind == "message" and isinstance(item.get("role"), str):
-            out.append({"role": item["role"], "content": text_of(item.get("content"))})
+            out.append({"role": item["role"], "content": content_text(item.get("content"))})
         elif kind == "function_call":
             out.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": item.get("call_id"), "type": "function",
@@ -51,7 +41,7 @@ def _messages(body: dict) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else text_of(output)})
+                        "content": output if isinstance(output, str) else content_text(output)})
     return out
 
 
@@ -71,7 +61,8 @@ def _chat_body(body: dict, messages: list[dict]) -> dict:
             chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
-    if isinstance(fmt, dict) and (response_format := json_format(fmt.get("type"), fmt.get("schema"), fmt.get("name"))):
+    if isinstance(fmt, dict) and (
+            response_format := translate.json_format(fmt.get("type"), fmt.get("schema"), fmt.get("name"))):
         chat["response_format"] = response_format
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -127,7 +118,7 @@ class ResponsesEndpoint:
         self._stored: OrderedDict[str, tuple[str, list[dict]]] = OrderedDict()
 
     def respond(self, raw: bytes, task_type: str | None = None) -> Reply:
-        body = parsed(raw)
+        body = translate.parsed(raw)
         if body is None:
             return bad_json_reply()
         history: list[dict] = []
@@ -141,21 +132,21 @@ class ResponsesEndpoint:
         messages = history + _messages(body)
         if not messages:
             return missing_param("input")
-        reply = ask_chat(self.engine, _chat_body(body, messages), task_type)
+        reply = translate.ask_chat(self.engine, _chat_body(body, messages), task_type)
         if reply.status != 200 or reply.hang:
             return reply  # errors have the same shape in both APIs
         rid = "resp_" + self.engine._next_id()
         if reply.frames is not None:
             return self._stream(reply, body, rid, messages)
-        chat = parsed(reply.body)
+        chat = translate.parsed(reply.body)
         if chat is None:  # bad_response: the engine cut its body, so cut ours
-            out = dumps(self._response(body, rid, "in_progress", None, [], None)).encode()
+            out = translate.dumps(self._response(body, rid, "in_progress", None, [], None)).encode()
             return replace(reply, body=out[: len(out) // 2])
-        message, finish = first_choice(chat)
+        message, finish = translate.first_choice(chat)
         self._store(body, rid, messages, message)
         status, details = _status(finish)
-        return replace(reply, body=dumps(self._response(body, rid, status, details, _output(rid, message),
-                                                        chat.get("usage"))).encode())
+        return replace(reply, body=translate.dumps(self._response(body, rid, status, details, _output(rid, message),
+                                                                  chat.get("usage"))).encode())
 
     def _response(self, body: dict, rid: str, status: str, details: dict | None, output: list[dict],
                   chat_usage: dict | None) -> dict:
@@ -191,7 +182,7 @@ class ResponsesEndpoint:
         def event(kind: str, **fields) -> str:
             nonlocal seq
             seq += 1
-            return named_event(kind, {"type": kind, "sequence_number": seq - 1, **fields})
+            return translate.named_event(kind, {"type": kind, "sequence_number": seq - 1, **fields})
 
         def open_item(kind: str) -> list[str]:
             nonlocal opened
@@ -229,54 +220,43 @@ class ResponsesEndpoint:
             terminal = "response.completed" if status == "completed" else "response.incomplete"
             return out + [event(terminal, response=self._response(body, rid, status, details, output, usage))]
 
-        frames: list[bytes] = []
-        started = False
-        for chunks in stream_chunks(reply):
+        def told(chunk: dict) -> list[str]:  # noqa: C901 - a branch per kind of chat delta
+            nonlocal started, usage, call, finish
             events: list[str] = []
-            for chunk in chunks:
-                if chunk is None:
-                    events.append(cut_off("response.output_text.delta"))
-                    continue
-                if chunk == "[DONE]":
-                    events += closing()
-                    continue
-                assert isinstance(chunk, dict)
-                if not started:
-                    started = True
-                    skeleton = self._response(body, rid, "in_progress", None, [], None)
-                    events += [event("response.created", response=skeleton),
-                               event("response.in_progress", response=skeleton)]
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("tool_calls"):
-                        tc = delta["tool_calls"][0]
-                        if tc.get("id"):
-                            call = {"id": tc["id"], "type": "function",
-                                    "function": {"name": (tc.get("function") or {}).get("name"), "arguments": ""}}
-                            events += open_item("call")
-                        piece = (tc.get("function") or {}).get("arguments") or ""
-                        if piece:
-                            text.append(piece)
-                            events.append(event("response.function_call_arguments.delta", item_id="fc_" + rid[5:],
-                                                output_index=0, delta=piece))
-                    elif delta.get("refusal") is not None:
-                        if opened is None:
-                            events += open_item("refusal")
-                        if delta["refusal"]:
-                            refusal.append(delta["refusal"])
-                            events.append(event("response.refusal.delta", item_id=item_id, output_index=0,
-                                                content_index=0, delta=delta["refusal"]))
-                    elif delta.get("content") is not None:
-                        if opened is None:
-                            events += open_item("text")
-                        if delta["content"]:
-                            text.append(delta["content"])
-                            events.append(event("response.output_text.delta", item_id=item_id, output_index=0,
-                                                content_index=0, delta=delta["content"], logprobs=[]))
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
-                        if opened is None:
-                            events += open_item("text")
-            frames.append("".join(events).encode())
-        return restream(reply, frames)
+            if not started:
+                started = True
+                skeleton = self._response(body, rid, "in_progress", None, [], None)
+                events += [event("response.created", response=skeleton),
+                           event("response.in_progress", response=skeleton)]
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("tool_calls"):
+                    tc = delta["tool_calls"][0]
+                    if tc.get("id"):
+                        call = {"id": tc["id"], "type": "function",
+                                "function": {"name": (tc.get("function") or {}).get("name"), "arguments": ""}}
+                        events += open_item("call")
+                    piece = (tc.get("function") or {}).get("arguments") or ""
+                    if piece:
+                        text.append(piece)
+                        events.append(event("response.function_call_arguments.delta", item_id="fc_" + rid[5:],
+                                            output_index=0, delta=piece))
+                elif delta.get("refusal") is not None or delta.get("content") is not None:
+                    refused = delta.get("refusal") is not None
+                    piece = delta["refusal"] if refused else delta["content"]
+                    if opened is None:
+                        events += open_item("refusal" if refused else "text")
+                    if piece:
+                        (refusal if refused else text).append(piece)
+                        extra = {} if refused else {"logprobs": []}
+                        events.append(event("response.refusal.delta" if refused else "response.output_text.delta",
+                                            item_id=item_id, output_index=0, content_index=0, delta=piece, **extra))
+                if choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+                    if opened is None:
+                        events += open_item("text")
+            return events
+
+        started = False
+        return translate.retold(reply, "response.output_text.delta", closing, told)

@@ -5,6 +5,7 @@ answer in its own format. Streams keep the engine's frame times, cut-offs and ab
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 
 from service.simulator.engine import Engine, Reply
@@ -46,8 +47,22 @@ def stream_chunks(reply: Reply) -> list[list[Chunk]]:
     return out
 
 
-def restream(reply: Reply, frames: list[bytes]) -> Reply:
-    """The engine's stream with other frames, at the same times."""
+def retold(reply: Reply, cut_event: str, done: Callable[[], list[str]], chunk: Callable[[dict], list[str]]) -> Reply:
+    """The engine's chat stream told in another API's events, frame by frame at the same times.
+
+    Each chat chunk becomes `chunk(...)`'s events, `[DONE]` becomes `done()`'s, and a chunk the
+    engine cut off becomes the start of a `cut_event` event."""
+    frames: list[bytes] = []
+    for chunks in stream_chunks(reply):
+        events: list[str] = []
+        for c in chunks:
+            if c is None:
+                events.append(cut_off(cut_event))
+            elif c == "[DONE]":
+                events += done()
+            else:
+                events += chunk(c)
+        frames.append("".join(events).encode())
     return replace(reply, frames=frames)
 
 
@@ -58,15 +73,6 @@ def named_event(name: str, payload: dict) -> str:
 def cut_off(name: str) -> str:
     """The start of an event, as a connection dropped mid-stream leaves it."""
     return f'event: {name}\ndata: {{"type":"{name[: len(name) // 2]}'
-
-
-def text_of(content: object) -> str:
-    """Text of a content string or of a list of parts/blocks with `text`."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text") or "" for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
 
 
 def json_format(kind: object, schema: object, name: object = None) -> dict | None:

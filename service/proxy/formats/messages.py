@@ -17,20 +17,9 @@ from __future__ import annotations
 import json
 
 from service.config import Checks, ModelConfig
-from service.proxy.formats.base import (
-    Reassembled,
-    Usage,
-    chat_completion,
-    chat_output_chars,
-    estimated_usage,
-    function_tool,
-    json_response_format,
-    named_event,
-    sse_events,
-    sse_json,
-    token_count,
-)
+from service.proxy.formats import base
 from service.proxy.outcome import MAX_TOKENS, Verdict, classify_chat, failed
+from service.proxy.segments import content_text
 from service.upstream.errors import error_cause
 
 # `error.type` -> cause (DESIGN §6)
@@ -44,14 +33,6 @@ MESSAGES_PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tok
 FINISH = {"tool_use": "tool_calls", "max_tokens": "length", "model_context_window_exceeded": "length"}
 
 
-def _blocks_text(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(b.get("text") or "" for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
-    return ""
-
-
 def _view_messages(message: dict) -> list[dict]:
     """One Messages-API message as chat view messages: tool results become `tool` messages."""
     role, content = message.get("role"), message.get("content")
@@ -60,7 +41,7 @@ def _view_messages(message: dict) -> list[dict]:
     blocks = [b for b in content if isinstance(b, dict)]
     results = [b for b in blocks if b.get("type") == "tool_result"]
     if results and len(results) == len(blocks):
-        return [{"role": "tool", "content": _blocks_text(b.get("content"))} for b in results]
+        return [{"role": "tool", "content": content_text(b.get("content"))} for b in results]
     out: dict = {"role": role, "content": [b for b in blocks if b.get("type") == "text"]}
     calls = [{"id": b.get("id"), "type": "function",
               "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input"))}}
@@ -94,13 +75,13 @@ class MessagesFormat:
             if isinstance(m, dict):
                 messages.extend(_view_messages(m))
         view: dict = {"messages": messages, "max_tokens": body.get("max_tokens")}
-        tools = [function_tool(t.get("name"), t.get("input_schema")) for t in body.get("tools") or ()
+        tools = [base.function_tool(t.get("name"), t.get("input_schema")) for t in body.get("tools") or ()
                  if isinstance(t, dict) and "input_schema" in t]
         if tools:
             view["tools"] = tools
         config = body.get("output_config")
         fmt = body.get("output_format") or (config.get("format") if isinstance(config, dict) else None)
-        if isinstance(fmt, dict) and (json_format := json_response_format(fmt.get("type"), fmt.get("schema"))):
+        if isinstance(fmt, dict) and (json_format := base.json_response_format(fmt.get("type"), fmt.get("schema"))):
             view["response_format"] = json_format
         return view
 
@@ -112,7 +93,7 @@ class MessagesFormat:
             return failed("bad_response", "no content in the message")
         stop = response.get("stop_reason")
         if stop == "refusal":
-            return failed("refusal", _blocks_text(response["content"])[:200] or None)
+            return failed("refusal", content_text(response["content"])[:200] or None)
         if stop == "max_tokens":
             return MAX_TOKENS
         if stop == "model_context_window_exceeded":
@@ -131,30 +112,30 @@ class MessagesFormat:
             return "context_length_exceeded"
         return (ERROR_TYPES.get(kind) if kind is not None else None) or error_cause(status, body)
 
-    def usage(self, view: dict, response: dict | None) -> Usage:
+    def usage(self, view: dict, response: dict | None) -> base.Usage:
         usage = response.get("usage") if isinstance(response, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
-            return Usage(token_count(usage["input_tokens"]), token_count(usage.get("output_tokens")),
-                         cache_read=token_count(usage.get("cache_read_input_tokens")),
-                         cache_write=token_count(usage.get("cache_creation_input_tokens")))
+            return base.Usage(base.token_count(usage["input_tokens"]), base.token_count(usage.get("output_tokens")),
+                              cache_read=base.token_count(usage.get("cache_read_input_tokens")),
+                              cache_write=base.token_count(usage.get("cache_creation_input_tokens")))
         if response is None:
-            return Usage(0, 0)
-        return estimated_usage(view, chat_output_chars(self.chat_view(response)))
+            return base.Usage(0, 0)
+        return base.estimated_usage(view, base.chat_output_chars(self.chat_view(response)))
 
-    def reassemble(self, raw: bytes) -> Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per event type
+    def reassemble(self, raw: bytes) -> base.Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per event type
         message: dict | None = None
         blocks: dict[int, dict] = {}
         tool_json: dict[int, list[str]] = {}
         ended = False
-        for name, data in sse_events(raw):
-            event = sse_json(data)
+        for name, data in base.sse_events(raw):
+            event = base.sse_json(data)
             if event is None:
-                return Reassembled(None, False, "malformed SSE data")
+                return base.Reassembled(None, False, "malformed SSE data")
             kind = event.get("type") or name
             if kind == "error":
                 err = found if isinstance(found := event.get("error"), dict) else {}
-                return Reassembled(None, False, str(err.get("message") or "error event")[:200],
-                                   self.error_cause(500, event))
+                return base.Reassembled(None, False, str(err.get("message") or "error event")[:200],
+                                        self.error_cause(500, event))
             index = found if isinstance(found := event.get("index"), int) else 0
             if kind == "message_start" and isinstance(event.get("message"), dict):
                 message = dict(event["message"])
@@ -178,7 +159,7 @@ class MessagesFormat:
             elif kind == "message_stop":
                 ended = True
         if message is None:
-            return Reassembled(None, ended, "no message_start in the stream")
+            return base.Reassembled(None, ended, "no message_start in the stream")
         for index, parts in tool_json.items():
             text = "".join(parts)
             try:
@@ -187,12 +168,12 @@ class MessagesFormat:
                 blocks[index]["input"] = text  # not JSON: kept as the model wrote it
         message["content"] = [blocks[i] for i in sorted(blocks)]
         if not ended:
-            return Reassembled(message, False, "stream ended before message_stop")
-        return Reassembled(message, True)
+            return base.Reassembled(message, False, "stream ended before message_stop")
+        return base.Reassembled(message, True)
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         kind = "timeout_error" if code == "timeout" else "overloaded_error" if status == 503 else "api_error"
-        return named_event("error", {"type": "error", "error": {"type": kind, "message": message}})
+        return base.named_event("error", {"type": "error", "error": {"type": kind, "message": message}})
 
     def model_body(self, request: dict, model: ModelConfig) -> dict:
         body = {**request, "model": model.name}
@@ -216,16 +197,16 @@ class MessagesFormat:
         content = response.get("content") if isinstance(response, dict) else None
         if not isinstance(response, dict) or not isinstance(content, list):  # a list only in a dict
             return None
-        text = _blocks_text(content)
+        text = content_text(content)
         calls = [{"id": b.get("id"), "type": "function",
                   "function": {"name": b.get("name"),
                                "arguments": b["input"] if isinstance(b.get("input"), str) else json.dumps(b.get("input"))}}
                  for b in content if isinstance(b, dict) and b.get("type") == "tool_use"]
         stop = response.get("stop_reason")
         if stop == "refusal":
-            return chat_completion(response.get("id"), response.get("model"), None, text or "refused", [], "stop")
-        return chat_completion(response.get("id"), response.get("model"), text or None, None, calls,
-                               FINISH.get(stop or "") or ("tool_calls" if calls else "stop"))
+            return base.chat_completion(response.get("id"), response.get("model"), None, text or "refused", [], "stop")
+        return base.chat_completion(response.get("id"), response.get("model"), text or None, None, calls,
+                                    FINISH.get(stop or "") or ("tool_calls" if calls else "stop"))
 
     def response_id(self, response: dict | None) -> str | None:
         return None  # the Messages API keeps no state between requests

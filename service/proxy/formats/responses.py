@@ -16,18 +16,7 @@ import json
 
 from service.config import Checks, ModelConfig
 from service.errors import error_body
-from service.proxy.formats.base import (
-    Reassembled,
-    Usage,
-    chat_completion,
-    chat_output_chars,
-    estimated_usage,
-    function_tool,
-    json_response_format,
-    sse_events,
-    sse_json,
-    token_count,
-)
+from service.proxy.formats import base
 from service.proxy.outcome import MAX_TOKENS, Verdict, classify_chat, failed
 from service.upstream.errors import error_cause
 from service.upstream.model_settings import CAP_FIELDS
@@ -105,13 +94,13 @@ class ResponsesFormat:
         elif isinstance(inp, list):
             messages.extend(m for item in inp if isinstance(item, dict) and (m := _item_message(item)) is not None)
         view: dict = {"messages": messages}
-        tools = [function_tool(t.get("name"), t.get("parameters")) for t in body.get("tools") or ()
+        tools = [base.function_tool(t.get("name"), t.get("parameters")) for t in body.get("tools") or ()
                  if isinstance(t, dict) and t.get("type") == "function"]
         if tools:
             view["tools"] = tools
         text = body.get("text")
         fmt = text.get("format") if isinstance(text, dict) else None
-        if isinstance(fmt, dict) and (json_format := json_response_format(fmt.get("type"), fmt.get("schema"))):
+        if isinstance(fmt, dict) and (json_format := base.json_response_format(fmt.get("type"), fmt.get("schema"))):
             view["response_format"] = json_format
         if isinstance(body.get("max_output_tokens"), int):
             view["max_tokens"] = body["max_output_tokens"]
@@ -146,42 +135,43 @@ class ResponsesFormat:
     def error_cause(self, status: int, body: dict | None) -> str:
         return error_cause(status, body)
 
-    def usage(self, view: dict, response: dict | None) -> Usage:
+    def usage(self, view: dict, response: dict | None) -> base.Usage:
         usage = response.get("usage") if isinstance(response, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
             details = usage.get("input_tokens_details")
-            cached = token_count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-            total = token_count(usage["input_tokens"])
-            return Usage(max(0, total - cached), token_count(usage.get("output_tokens")), cache_read=min(cached, total))
+            cached = base.token_count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+            total = base.token_count(usage["input_tokens"])
+            return base.Usage(max(0, total - cached), base.token_count(usage.get("output_tokens")),
+                              cache_read=min(cached, total))
         if response is None:
-            return Usage(0, 0)
-        return estimated_usage(view, chat_output_chars(self.chat_view(response)))
+            return base.Usage(0, 0)
+        return base.estimated_usage(view, base.chat_output_chars(self.chat_view(response)))
 
-    def reassemble(self, raw: bytes) -> Reassembled:
+    def reassemble(self, raw: bytes) -> base.Reassembled:
         final: dict | None = None
         done_items: dict[int, dict] = {}
-        for name, data in sse_events(raw):
+        for name, data in base.sse_events(raw):
             if data == b"[DONE]":
                 continue
-            event = sse_json(data)
+            event = base.sse_json(data)
             if event is None:
-                return Reassembled(None, False, "malformed SSE data")
+                return base.Reassembled(None, False, "malformed SSE data")
             kind = event.get("type") or name
             if kind == "error":
                 err = found if isinstance(found := event.get("error"), dict) else event
-                return Reassembled(None, False, str(err.get("message") or "error event")[:200],
-                                   failed_cause(err.get("code")))
+                return base.Reassembled(None, False, str(err.get("message") or "error event")[:200],
+                                        failed_cause(err.get("code")))
             if kind == "response.output_item.done" and isinstance(event.get("item"), dict):
                 index = event.get("output_index")
                 done_items[index if isinstance(index, int) else len(done_items)] = event["item"]
             elif kind in TERMINAL and isinstance(event.get("response"), dict):
                 final = event["response"]
         if final is None:
-            return Reassembled(None, False, "stream ended before response.completed, response.incomplete "
+            return base.Reassembled(None, False, "stream ended before response.completed, response.incomplete "
                                             "or response.failed")
         if not final.get("output") and done_items:
             final = {**final, "output": [done_items[i] for i in sorted(done_items)]}
-        return Reassembled(final, True)
+        return base.Reassembled(final, True)
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         err = json.loads(error_body(status, message, code))["error"]
@@ -235,8 +225,8 @@ class ResponsesFormat:
         reason = details.get("reason") if isinstance(details, dict) else None
         finish = {"max_output_tokens": "length", "content_filter": "content_filter"}.get(reason or "") or \
             ("tool_calls" if calls else "stop")
-        return chat_completion(response.get("id"), response.get("model"), "".join(texts) if texts else None,
-                               "".join(refusals) or None, calls, finish)
+        return base.chat_completion(response.get("id"), response.get("model"), "".join(texts) if texts else None,
+                                    "".join(refusals) or None, calls, finish)
 
     def response_id(self, response: dict | None) -> str | None:
         rid = response.get("id") if isinstance(response, dict) else None
