@@ -268,6 +268,25 @@ def proxy(stack: Stack, config: dict, name: str = "modelcanary", workers: int = 
                             ready_url=f"http://127.0.0.1:{port}/readyz", port=port, cwd=tree))
 
 
+BASELINE = "modelcanary@baseline"
+BASELINE_TOLERANCE = 0.05   # a same-run check passes within 5% of the baseline tree
+
+
+def baseline_proxy(stack: Stack, sim_url: str, tree: Path) -> Proc:
+    """modelcanary@baseline: the benchmarks' proxy config, run from `tree`, with its own state and spool."""
+    (stack.tmp / "baseline").mkdir()
+    return proxy(stack, proxy_config(stack.tmp / "baseline", sim_url, shadow_rate=0.1), name=BASELINE, tree=tree)
+
+
+def within_baseline(current: float | None, baseline: float | None, higher_is_better: bool = False) -> bool:
+    """Within BASELINE_TOLERANCE: latency ≤ 1.05× the baseline's, a rate ≥ 0.95× it."""
+    if current is None or baseline is None:
+        return False
+    if higher_is_better:
+        return current >= (1 - BASELINE_TOLERANCE) * baseline
+    return current <= (1 + BASELINE_TOLERANCE) * baseline
+
+
 def tree_label(tree: Path) -> str:
     """A source tree's commit, from its `COMMIT` file if it has one, else the directory's name."""
     f = tree / "COMMIT"

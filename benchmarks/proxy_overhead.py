@@ -45,8 +45,7 @@ TARGET_RPS = 3000
 TARGET_RATIO = 15.0
 TARGET_RATIO_PORTKEY = 5.0
 PEERS = {"litellm": "LiteLLM", "portkey": "Portkey"}
-BASELINE = "modelcanary@baseline"
-BASELINE_TOLERANCE = 0.05   # current within 5% of the baseline tree
+BASELINE = h.BASELINE
 
 
 def _measure(proc: h.Proc, body: dict, concurrency: int, duration_s: float, tmp: Path,
@@ -121,10 +120,8 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
         targets: dict[str, tuple[h.Proc, dict, dict | None, float]] = {
             "direct": (sim, h.DIRECT_BODY, None, 1 if quick else 3),
             "modelcanary": (mc, h.CHAT_BODY, None, 1 if quick else 3)}
-        if baseline_tree is not None:   # the same config, its own state and spool directories
-            (st.tmp / "baseline").mkdir()
-            mcb = h.proxy(st, h.proxy_config(st.tmp / "baseline", sim.url, shadow_rate=0.1), name=BASELINE,
-                          tree=baseline_tree)
+        if baseline_tree is not None:
+            mcb = h.baseline_proxy(st, sim.url, baseline_tree)
             h.check_ok(mcb.url + PATH)
             targets[BASELINE] = (mcb, h.CHAT_BODY, None, 1 if quick else 3)
         if with_litellm:
@@ -209,12 +206,11 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
                 lat_ratio is not None and lat_ratio > 0 and 1 / lat_ratio >= target
             checks[f"≥ {target:g}× {PEERS[peer]}'s throughput"] = (ratios[f"max_rps (mc÷{peer})"] or 0) >= target
     baseline: dict | None = None
-    if BASELINE in summary and baseline_tree is not None:   # latency: current ≤ 1.05× baseline; req/s: ≥ 0.95×
+    if BASELINE in summary and baseline_tree is not None:
         label = h.tree_label(baseline_tree)
         cur, base = summary["modelcanary"], summary[BASELINE]
-        lat_ok = cur["added_p50_ms_c1"] is not None and base["added_p50_ms_c1"] is not None and \
-            cur["added_p50_ms_c1"] <= (1 + BASELINE_TOLERANCE) * base["added_p50_ms_c1"]
-        rps_ok = cur["max_rps"] >= (1 - BASELINE_TOLERANCE) * base["max_rps"]
+        lat_ok = h.within_baseline(cur["added_p50_ms_c1"], base["added_p50_ms_c1"])
+        rps_ok = h.within_baseline(cur["max_rps"], base["max_rps"], higher_is_better=True)
         baseline = {"tree": str(baseline_tree), "commit": label,
                     "ratios": {"added_p50_ms_c1 (current÷baseline)": h.ratio(cur["added_p50_ms_c1"],
                                                                              base["added_p50_ms_c1"]),

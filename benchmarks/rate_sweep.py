@@ -35,8 +35,7 @@ from benchmarks import harness as h
 PATH = "/v1/chat/completions"
 RATES = (100, 500, 1000, 2000)
 TARGET_ADDED_P99_AT_500_MS = 2.0
-BASELINE = "modelcanary@baseline"
-BASELINE_TOLERANCE = 0.05   # current within 5% of the baseline tree
+BASELINE = h.BASELINE
 
 
 def saturated(r: dict) -> bool:
@@ -82,10 +81,8 @@ def run(quick: bool = False, with_litellm: bool = True, rates: tuple[int, ...] =
     with h.Stack("rate-sweep") as st:
         sim = h.simulator(st)
         procs = {"modelcanary": h.proxy(st, h.proxy_config(st.tmp, sim.url, shadow_rate=0.1))}
-        if baseline_tree is not None:   # the same config, its own state and spool directories
-            (st.tmp / "baseline").mkdir()
-            procs[BASELINE] = h.proxy(st, h.proxy_config(st.tmp / "baseline", sim.url, shadow_rate=0.1),
-                                      name=BASELINE, tree=baseline_tree)
+        if baseline_tree is not None:
+            procs[BASELINE] = h.baseline_proxy(st, sim.url, baseline_tree)
             runs[BASELINE] = {}
         for proc in procs.values():
             h.check_ok(proc.url + PATH)
@@ -164,10 +161,10 @@ def run(quick: bool = False, with_litellm: bool = True, rates: tuple[int, ...] =
     checks = {f"added p99 at 500 req/s ≤ {TARGET_ADDED_P99_AT_500_MS:g} ms":
               mc500 is not None and mc500 <= TARGET_ADDED_P99_AT_500_MS}
     baseline: dict | None = None
-    if baseline_tree is not None:   # current ≤ 1.05× baseline
+    if baseline_tree is not None:
         label = h.tree_label(baseline_tree)
         b500 = added(BASELINE, 500, "p99_ms")
-        ok = mc500 is not None and b500 is not None and mc500 <= (1 + BASELINE_TOLERANCE) * b500
+        ok = h.within_baseline(mc500, b500)
         baseline = {"tree": str(baseline_tree), "commit": label,
                     "ratios": {"added_p99_ms_at_500 (current÷baseline)": h.ratio(mc500, b500)},
                     "within_5pct": {"added_p99_ms_at_500": ok}}
