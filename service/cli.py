@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("demo", help="everything embedded + simulator + traffic + live view")
-    p.add_argument("--duration", type=float, default=None, help="seconds of traffic, then a summary (default: until Ctrl-C)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of traffic, then a summary (default: until the rollout ends, at most 180 s)")
     p.add_argument("--good-candidate", action="store_true",
                    help="one rollout for the whole route, of a candidate that deserves promotion")
     p.add_argument("--route-scope", action="store_true",

@@ -1,4 +1,4 @@
-"""`modelcanary demo --duration N` tells the story: capability is a profile, not one number. Each
+"""`modelcanary demo` tells the story: capability is a profile, not one number. Each
 segment has its own rollout: the cheaper candidate is promoted for chat and JSON, tools stay on the
 stable model, and the candidate worse everywhere is ruled out everywhere. `--route-scope` tells the
 older story: one rollout for the whole route, so the candidate that breaks tool calls is rolled back."""
@@ -13,16 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from service.demo.runner import MAX_UNATTENDED_S
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def demo(*args: str) -> tuple[str, str]:
-    result = subprocess.run([sys.executable, "-m", "modelcanary", "demo", "--duration", "55", *args],
-                            capture_output=True, text=True, cwd=ROOT, timeout=150)
+    """Without `--duration` the demo ends 3 s after the rollout does (at most after MAX_UNATTENDED_S)."""
+    result = subprocess.run([sys.executable, "-m", "modelcanary", "demo", *args],
+                            capture_output=True, text=True, cwd=ROOT, timeout=MAX_UNATTENDED_S + 60)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result.stdout, result.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.timeout(MAX_UNATTENDED_S + 90)
 def test_demo_promotes_per_segment_where_the_evidence_is():
     out, last = demo()
     match = re.fullmatch(r"final: route=(\S+) phase=(\S+) decision=(\S+) reason=(.+) segments=(\S+)", last)
@@ -37,6 +41,7 @@ def test_demo_promotes_per_segment_where_the_evidence_is():
     assert "  budget-m: ruled out in chat, json, tools" in out  # worse everywhere
 
 
+@pytest.mark.timeout(MAX_UNATTENDED_S + 90)
 def test_demo_route_scope_rolls_back_the_candidate_that_breaks_tools():
     result_stdout, last = demo("--route-scope")
     match = re.fullmatch(r"final: route=(\S+) phase=(\S+) decision=(\S+) reason=(.+)", last)

@@ -19,7 +19,7 @@ from kafka.structs import OffsetAndMetadata
 from service import metrics
 from service.bus.base import Topic
 from service.bus.kafka.admin import broker_reachable, build_client, create_missing_topics, describe
-from service.bus.kafka.internals import topic_id
+from service.bus.kafka.internals import finish_stalled_join, topic_id
 from service.records import Record, load
 
 log = logging.getLogger("modelcanary.bus.kafka")
@@ -188,6 +188,8 @@ class KafkaSubscription:
                 continue
             if raw:
                 self._buffer_records(raw)
+            if self.group is not None and finish_stalled_join(consumer):
+                log.info("consumer group %s: a join kafka-python left unfinished is started again", self.group)
             self._after_poll(consumer)
             self._maybe_export_lag(consumer)
         self._run_commands()

@@ -42,6 +42,21 @@ def topic_id(consumer: KafkaConsumer, name: str) -> object | None:
         return None
 
 
+def finish_stalled_join(consumer: KafkaConsumer) -> bool:
+    """kafka-python 3.0 loses a group join when a poll times out between the leader computing the
+    assignment and the SyncGroup answer: the new assignment already makes `need_rejoin()` False, so
+    no later poll collects the answer and the member keeps no partitions of the new shape, for good.
+    It happens when a subscribed topic changes shape (an empty broker came back and the topics were
+    recreated). Asking for a rejoin lets the next poll join again. Returns whether it was stalled."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    try:
+        if coordinator.rejoining and not coordinator.need_rejoin():  # type: ignore[union-attr]
+            coordinator.request_rejoin()  # type: ignore[union-attr]
+            return True
+    except AttributeError:
+        pass
+    return False
+
 
 def session_age(consumer: KafkaConsumer) -> float | None:
     """Seconds since the group coordinator last answered a heartbeat of this member (inf: not yet):
