@@ -102,3 +102,32 @@ def test_a_slow_child_costs_the_proxy_nothing_its_queue_drops_and_counts(servers
     dropped = wait_for(lambda: metric_value(scrape(proxy.url), "modelcanary_shadow_dropped_total", route=ROUTE,
                                             reason="queue_full"), 10, "queue_full drops")
     assert dropped >= 150  # a queue of 16 in front of one 3-second evaluation at a time
+
+
+def test_the_channel_keeps_frames_whole_and_in_order_past_the_socket_buffer_and_tells_eof():
+    """collectors.embedded.channel: a frame bigger than the socket's buffer is written across many
+    writable callbacks, small frames queued behind it keep their order, and closing one end tells
+    the other (how a child learns its proxy is gone)."""
+    import asyncio
+    import socket
+
+    from collectors.embedded.channel import Channel
+
+    async def scenario() -> tuple[list[tuple[bytes, bytes]], bool]:
+        a, b = socket.socketpair()
+        got: list[tuple[bytes, bytes]] = []
+        closed = asyncio.Event()
+        sender = Channel(a, lambda kind, payload: None, lambda: None)
+        Channel(b, lambda kind, payload: got.append((kind, payload)), closed.set)
+        big = bytes(range(256)) * 20_000  # 5 MB
+        sender.send(b"r", big)
+        for i in range(1000):
+            sender.send(b"c", str(i).encode())
+        assert await sender.drain(30)
+        sender.close()
+        await asyncio.wait_for(closed.wait(), 10)
+        return got, got[0] == (b"r", big)
+
+    got, big_whole = asyncio.run(scenario())
+    assert big_whole and len(got) == 1001
+    assert [int(p) for _, p in got[1:]] == list(range(1000))

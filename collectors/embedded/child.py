@@ -1,11 +1,13 @@
-"""The shadow child process: `collectors.worker.run_workers` over a bus made of two queues.
+"""The shadow child process: `collectors.worker.run_workers` over a bus made of one socket to the
+parent (collectors.embedded.channel), read and written on the child's event loop.
 
-- traffic: TrafficEvents from the parent, as JSON (`None` asks the child to finish and exit);
-- results: ("record", JSON of an EvaluationRecord) for the parent's bus, and ("metrics",
-  relay.snapshot()) every SNAPSHOT_S and once more at exit.
+- from the parent: TRAFFIC frames (a TrafficEvent's JSON) and STOP (finish what is in flight, exit);
+- to the parent: RECORD (an EvaluationRecord's JSON, for the parent's bus), TAKEN (how many
+  traffic frames the workers took: the parent keeps at most `events.queue_size` untaken), and
+  METRICS (relay.snapshot(), pickled) every SNAPSHOT_S and once more at exit.
 
-The child stops by itself when its parent is gone. SIGINT is ignored (a Ctrl-C in a terminal
-reaches the whole process group; the parent asks the child to stop, with the queue).
+The child stops by itself when its parent is gone (the socket closes). SIGINT is ignored (a Ctrl-C
+in a terminal reaches the whole process group; the parent asks the child to stop, with STOP).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import queue
+import pickle
 import signal
+import socket
+from collections import deque
 from collections.abc import Callable
 
+import uvloop
+
 from collectors.embedded import relay
+from collectors.embedded.channel import Channel
 from collectors.worker import run_workers
-from service import metrics
 from service.bus.base import Topic
 from service.config import Config
 from service.records import Record, TrafficEvent, load
@@ -29,61 +34,59 @@ from service.upstream import make_providers
 log = logging.getLogger("modelcanary.shadow")
 
 SNAPSHOT_S = 1.0
-STOP = None  # on the traffic queue: finish what is in flight, then exit
+EXIT_DRAIN_S = 2.0
+TRAFFIC, STOP, RECORD, TAKEN, METRICS = b"t", b"s", b"r", b"c", b"m"
 
 
-class QueueSubscription:
-    def __init__(self, traffic, stop: asyncio.Event):
-        self._traffic = traffic
-        self._stop = stop
-
-    def _take(self, timeout_s: float) -> object:
-        try:
-            return self._traffic.get(timeout=timeout_s)
-        except queue.Empty:
-            return queue.Empty
-
-    async def get_batch(self, max_records: int, timeout_s: float) -> list[Record]:
-        items = [await asyncio.to_thread(self._take, timeout_s)]
-        while items[-1] is not queue.Empty and items[-1] is not STOP and len(items) < max_records:
-            try:
-                items.append(self._traffic.get_nowait())
-            except queue.Empty:
-                break
-        if STOP in items:
-            self._stop.set()
-        return [load(json.loads(item)) for item in items if isinstance(item, (bytes, str))]
-
-    async def commit(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
-class QueueBus:
+class ChannelBus:
     """The EventBus of the child: traffic in, evaluations out; nothing else travels."""
 
-    def __init__(self, traffic, results, stop: asyncio.Event):
-        self._traffic = traffic
-        self._results = results
+    def __init__(self, sock: socket.socket, stop: asyncio.Event):
         self._stop = stop
+        self._traffic: deque[bytes] = deque()
+        self._arrived = asyncio.Event()
+        self.channel = Channel(sock, self._frame, self._parent_gone)
+
+    def _frame(self, kind: bytes, payload: bytes) -> None:
+        if kind == TRAFFIC:
+            self._traffic.append(payload)
+            self._arrived.set()
+        elif kind == STOP:
+            self._stop.set()
+            self._arrived.set()
+
+    def _parent_gone(self) -> None:
+        if not self._stop.is_set():
+            log.warning("the proxy process is gone; the shadow child stops")
+        self._stop.set()
+        self._arrived.set()
 
     async def start(self) -> None:
         return None
 
     def publish(self, topic: Topic, record: Record) -> None:
-        if topic != "evaluations":
-            return
-        try:
-            self._results.put_nowait(("record", record.model_dump_json(by_alias=True)))
-        except queue.Full:  # the parent stopped reading
-            metrics.shadow_dropped_total.labels(record.route, "queue_full").inc()
+        if topic == "evaluations":
+            self.channel.send(RECORD, record.model_dump_json(by_alias=True).encode())
 
-    def subscribe(self, topics: list[Topic], group: str | None) -> QueueSubscription:
+    def subscribe(self, topics: list[Topic], group: str | None) -> ChannelBus:
         if topics != ["traffic"]:
             raise ValueError(f"the shadow child only reads traffic, not {topics}")
-        return QueueSubscription(self._traffic, self._stop)
+        return self
+
+    async def get_batch(self, max_records: int, timeout_s: float) -> list[Record]:
+        if not self._traffic and not self._stop.is_set():
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        taken = [self._traffic.popleft() for _ in range(min(max_records, len(self._traffic)))]
+        if taken:
+            self.channel.send(TAKEN, str(len(taken)).encode())
+        return [load(json.loads(item)) for item in taken]
+
+    async def commit(self) -> None:
+        return None
 
     async def flush(self, timeout_s: float) -> bool:
         return True
@@ -96,46 +99,45 @@ class QueueBus:
         return None
 
 
-async def _ship_metrics(results, stop: asyncio.Event, parent: int) -> None:
+async def _ship_metrics(bus: ChannelBus, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        if os.getppid() != parent:  # the parent is gone: nobody reads
-            log.warning("the proxy process is gone; the shadow child stops")
-            stop.set()
-            return
-        results.put(("metrics", relay.snapshot()))
+        bus.channel.send(METRICS, pickle.dumps(relay.snapshot()))
         try:
             await asyncio.wait_for(stop.wait(), SNAPSHOT_S)
         except TimeoutError:
             pass
 
 
-async def _run(config: Config, traffic, results, parent: int) -> None:
+async def _run(config: Config, sock: socket.socket) -> None:
     from service.tracing import Tracing
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    bus = ChannelBus(sock, stop)
     providers = make_providers(config)
     tracing = Tracing(config.tracing)  # the proxy's service name, as when the workers ran in its process
-    shipper = asyncio.create_task(_ship_metrics(results, stop, parent))
+    shipper = asyncio.create_task(_ship_metrics(bus, stop))
     try:
-        await run_workers(config, QueueBus(traffic, results, stop), providers, tracing, stop)
+        await run_workers(config, bus, providers, tracing, stop)
     finally:
         stop.set()
         await shipper
-        results.put(("metrics", relay.snapshot()))
+        bus.channel.send(METRICS, pickle.dumps(relay.snapshot()))
+        await bus.channel.drain(EXIT_DRAIN_S)
+        bus.channel.close()
         for provider in providers.values():
             await provider.close()
         tracing.shutdown()
 
 
-def main(config: Config, traffic, results, parent: int) -> None:
+def main(config: Config, sock: socket.socket) -> None:
     """The child's entry point (multiprocessing, spawn: the parent's Config arrives pickled, as it was
-    validated there)."""
+    validated there, and the socket as a file descriptor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
-    asyncio.run(_run(config, traffic, results, parent))
+    uvloop.run(_run(config, sock))
 
 
 def encode(event: TrafficEvent) -> bytes:

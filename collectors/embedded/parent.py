@@ -1,11 +1,12 @@
 """The proxy's side of the shadow child (see the package docstring).
 
-On the proxy's event loop only: reading sampled traffic from the bus (as the in-process workers
-did) and a non-blocking put of its JSON on the child's bounded queue. A thread reads what the
-child sends back and hands each record to the loop (`call_soon_threadsafe`) for the bus.
+On the proxy's event loop only, with no thread: reading sampled traffic from the bus (as the
+in-process workers did), sending its JSON to the child over their socket (collectors.embedded.channel),
+and publishing the records the child sends back. At most `events.queue_size` sent events wait for
+the child to take them; more are dropped and counted (queue_full).
 A child that dies is replaced after a pause (RESTART_S, growing while children keep dying early).
 A reload starts a child on the new config and stops the old one; the subscription stays, so
-traffic sampled while the new child starts waits on its queue instead of being lost.
+traffic sampled while the new child starts waits for it instead of being lost.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import contextlib
 import json
 import logging
 import multiprocessing
-import os
-import queue
-import threading
+import pickle
+import socket
 import time
 
 from collectors.embedded import child as child_main
+from collectors.embedded.channel import Channel
 from collectors.embedded.relay import ChildMetrics, install
 from collectors.worker import GROUP
 from service import metrics
@@ -38,65 +39,65 @@ HEALTHY_S = 60.0                # a child that lived this long resets the restar
 
 
 class ShadowChild:
-    """One child process, its two queues and the thread that reads its results."""
+    """One child process and the channel to it."""
 
-    def __init__(self, config: Config, bus: EventBus, relay: ChildMetrics, loop: asyncio.AbstractEventLoop):
-        ctx = multiprocessing.get_context("spawn")
-        self.traffic = ctx.Queue(config.events.queue_size)
-        self.traffic.cancel_join_thread()  # never wait at exit for a child that does not read
-        self.results = ctx.Queue()
+    def __init__(self, config: Config, bus: EventBus, relay: ChildMetrics):
+        self.capacity = config.events.queue_size
+        self.waiting = 0  # sent, not yet taken by the child's workers
+        self.bus = bus
         self.relay = relay
         self.key = id(self)
         self.started = time.monotonic()
+        self._ended = asyncio.Event()
+        mine, theirs = socket.socketpair()
+        ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=child_main.main, name="modelcanary-shadow", daemon=True,
-                                   args=(config, self.traffic, self.results, os.getpid()))
+                                   args=(config, theirs))
         self.process.start()
-        self._reader = threading.Thread(target=self._read, args=(bus, loop), name="shadow-results", daemon=True)
-        self._reader.start()
+        theirs.close()
+        self.channel = Channel(mine, self._frame, self._closed)
 
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
 
     def offer(self, event: TrafficEvent) -> None:
-        """Hand a sampled request to the child, or drop it (counted) when its queue is full."""
-        try:
-            self.traffic.put_nowait(child_main.encode(event))
-        except queue.Full:
+        """Send a sampled request to the child, or drop it (counted) when `capacity` already wait."""
+        if self.waiting >= self.capacity:
             metrics.shadow_dropped_total.labels(event.route, "queue_full").inc()
+            return
+        self.waiting += 1
+        self.channel.send(child_main.TRAFFIC, child_main.encode(event))
 
-    def _read(self, bus: EventBus, loop: asyncio.AbstractEventLoop) -> None:
-        while True:
+    def _frame(self, kind: bytes, payload: bytes) -> None:
+        if kind == child_main.TAKEN:
+            self.waiting = max(0, self.waiting - int(payload))
+        elif kind == child_main.METRICS:
+            self.relay.update(self.key, pickle.loads(payload))  # noqa: S301 - from our own child
+        elif kind == child_main.RECORD:
             try:
-                kind, payload = self.results.get(timeout=POLL_S)
-            except queue.Empty:
-                if self.process.is_alive():
-                    continue
-                break
-            except (EOFError, OSError, ValueError):
-                break
-            if kind == "metrics":
-                self.relay.update(self.key, payload)
-                continue
-            try:
-                record = load(json.loads(payload))
-                loop.call_soon_threadsafe(bus.publish, "evaluations", record)
-            except (ValueError, RuntimeError):  # a bad record, or the loop is closed (shutting down)
+                self.bus.publish("evaluations", load(json.loads(payload)))
+            except ValueError:
                 log.exception("a record from the shadow child could not be published")
+
+    def _closed(self) -> None:
         self.relay.child_ended(self.key)
+        self._ended.set()
 
     async def stop(self) -> None:
-        """Ask the child to finish (STOP on its queue), then wait for it; kill it if it takes too long."""
-        with contextlib.suppress(queue.Full, ValueError, OSError):
-            self.traffic.put_nowait(child_main.STOP)
+        """Ask the child to finish (STOP), then wait for it; kill it if it takes too long."""
+        self.channel.send(child_main.STOP, b"")
         try:
             await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
         finally:
             if self.process.is_alive():
                 self.process.kill()
-                self.process.join(1.0)
-            self._reader.join(2 * POLL_S + 1.0)
-            self.traffic.close()
+                await asyncio.to_thread(self.process.join, 1.0)
+            with contextlib.suppress(TimeoutError):  # what the child sent last is read first
+                await asyncio.wait_for(self._ended.wait(), 1.0)
+            if not self._ended.is_set():
+                self.channel.close()
+                self._closed()
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:
@@ -139,7 +140,7 @@ async def run_in_child(config: Config, bus: EventBus, stop: asyncio.Event, reloa
                     task.add_done_callback(stopping.discard)
                     child, deaths = None, 0
             if child is None and _has_candidate(config):
-                child = ShadowChild(config, bus, relay, loop)
+                child = ShadowChild(config, bus, relay)
                 log.info("shadow workers run in a child process (pid %d)", child.process.pid)
             for event in events:
                 if isinstance(event, TrafficEvent) and child is not None:

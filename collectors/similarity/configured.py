@@ -16,7 +16,7 @@ class RouteEmbedders:
         self.config = config
         self.providers = providers
         self._endpoints: dict[str, EndpointEmbedder] = {}
-        self._local = LocalEmbedder(offload_chars=0)
+        self._local = LocalEmbedder()  # small batches inline: the workers run outside the proxy (child or collect)
 
     def for_route(self, rc: RouteConfig) -> Embedder:
         key = rc.shadow.similarity.model
