@@ -108,9 +108,9 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(self._sock.fileno())
-            self._loop.remove_writer(self._sock.fileno())
+        for remove in (self._loop.remove_reader, self._loop.remove_writer):
+            with contextlib.suppress(ValueError, OSError):
+                remove(self._sock.fileno())
         self._out.clear()
         self._drained.set()
         self._sock.close()
