@@ -24,6 +24,7 @@ GROUP = "modelcanary-capture"
 MAX_BYTES = 32 * 1024 * 1024    # serialized TrafficEvents kept (the oldest are forgotten first)
 MAX_FEEDBACK = 50_000
 BATCH = 500
+GATHER_S = 0.25  # records are taken in batches at most this often: a wake-up per batch, not per request
 
 
 class RecentTraffic:
@@ -57,8 +58,11 @@ class RecentTraffic:
         sub = bus.subscribe(["traffic", "outcomes"], group=GROUP)
         try:
             while not stop.is_set():
-                for record in await sub.get_batch(BATCH, 0.5):
+                batch = await sub.get_batch(BATCH, 0.5)
+                for record in batch:
                     self.add(record)
+                if batch and len(batch) < BATCH:
+                    await asyncio.sleep(GATHER_S)
         finally:
             await sub.close()
 

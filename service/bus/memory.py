@@ -30,7 +30,7 @@ class MemorySubscription:
         self._group = group or "none"
         self._items: deque[tuple[Topic, Record]] = deque()
         self._maxsize = maxsize
-        self._ready = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []  # get_batch calls waiting for a record
         self._depth: dict[Topic, int] = {t: 0 for t in topics}
         self._offers = 0
 
@@ -40,7 +40,8 @@ class MemorySubscription:
             return False
         self._items.append((topic, record))
         self._depth[topic] += 1
-        self._ready.set()
+        if self._waiters:
+            self._wake()
         self._offers += 1
         if self._offers >= LAG_EVERY:
             self._export_lag()
@@ -48,10 +49,18 @@ class MemorySubscription:
 
     async def get_batch(self, max_records: int, timeout_s: float) -> list[Record]:
         if not self._items:
-            self._ready.clear()
+            # a bare future and a timer: `wait_for` would start a task per wait (one per record at low load)
+            loop = asyncio.get_running_loop()
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            timer = loop.call_later(timeout_s, _release, waiter)
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout_s)
-            except TimeoutError:
+                await waiter
+            finally:
+                timer.cancel()
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            if not self._items:
                 return []
         n = min(max_records, len(self._items))
         batch = []
@@ -62,6 +71,11 @@ class MemorySubscription:
             batch.append(record)
         self._export_lag()
         return batch
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            _release(waiter)
 
     def _export_lag(self) -> None:
         self._offers = 0
@@ -80,6 +94,11 @@ class MemorySubscription:
     @property
     def group(self) -> str:
         return self._group
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class MemoryBus:

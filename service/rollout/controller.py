@@ -46,6 +46,7 @@ MAX_BATCH = 2000
 MIN_INTERVAL_S = 0.05       # the judge never runs more often than this
 MAX_INTERVAL_S = 5.0        # ... and never less often than this
 MIN_GAP_ON_BATCH_S = 1.0    # a busy bus re-runs the judge at most this often (it shares the proxy's loop)
+GATHER_S = 0.05             # records are taken at most this often: a wake-up per batch, not per request
 WEBHOOK_TIMEOUT_S = 5.0
 PAUSED_WAIT_S = 0.2         # how often a paused controller (`may_decide` False) looks again
 
@@ -67,9 +68,10 @@ class Controller:
         # rollout.scope segment: the evidence of each candidate after the first (that one is evidence[route])
         self.more_evidence: dict[str, dict[str, RouteEvidence]] = {}
         self.judgements: dict[str, Judgement] = {}
-        # in memory mode the proxy resolves all feedback: nothing to remember here
-        remembered = REQUESTS_REMEMBERED if config.events.backend == "kafka" else 1
-        self.feedback = FeedbackResolver(config.control.feedback_hold_s, remembered)
+        # in memory mode the proxy resolves all feedback: no requests to remember here
+        self._resolves_feedback = config.events.backend == "kafka"
+        self.feedback = FeedbackResolver(config.control.feedback_hold_s,
+                                         REQUESTS_REMEMBERED if self._resolves_feedback else 1)
         self._reported_at: dict[str, float] = {}
         self._sent_reports: dict[str, dict] = {}  # route -> the last report published, without generated_at
         self._tasks: set[asyncio.Task] = set()
@@ -110,8 +112,7 @@ class Controller:
                 batch = await sub.get_batch(MAX_BATCH, wait)
                 if stop.is_set():  # e.g. leadership lost while waiting: decide nothing more
                     break
-                for record in batch:
-                    self.ingest(record)
+                self.ingest_batch(batch)
                 now = self.clock()
                 gap = min(MIN_GAP_ON_BATCH_S, interval)
                 due = (batch and now - last >= gap) or now - last >= interval
@@ -123,6 +124,8 @@ class Controller:
                     last = now
                 if batch:
                     await sub.commit()
+                    if len(batch) < MAX_BATCH:
+                        await asyncio.sleep(GATHER_S)
         finally:
             self.book.off_change(self._on_change)
             try:
@@ -186,23 +189,39 @@ class Controller:
             out[candidate] = ev
         return out  # type: ignore[return-value]
 
-    def ingest(self, record: Record) -> bool:
-        """Add one outcome or evaluation record to its route's evidence (feedback once resolved)."""
+    def ingest_batch(self, records: list[Record]) -> None:
+        """`ingest` each record, looking each route's evidence up once (no state changes in between)."""
+        evidences: dict[str, dict[str, RouteEvidence]] = {}
+        for record in records:
+            self.ingest(record, evidences)
+
+    def ingest(self, record: Record, evidences: dict[str, dict[str, RouteEvidence]] | None = None) -> bool:
+        """Add one outcome or evaluation record to its route's evidence (feedback once resolved);
+        `evidences` keeps the routes' evidence looked up so far in a batch."""
+        if evidences is None:
+            evidences = {}
         if isinstance(record, OutcomeEvent):
             if record.kind == "feedback":
                 resolved = self.feedback.feedback(record)
-                return resolved is not None and self._add_outcome(resolved)
-            added = self._add_outcome(record)
-            for resolved in self.feedback.outcome(record):
-                self._add_outcome(resolved)
+                return resolved is not None and self._add_outcome(resolved, evidences)
+            added = self._add_outcome(record, evidences)
+            if self._resolves_feedback:
+                for resolved in self.feedback.outcome(record):
+                    self._add_outcome(resolved, evidences)
             return added
         if isinstance(record, EvaluationRecord):
-            ev = self._evidences(record.route).get(record.candidate_model)
+            ev = self._evidences_in(record.route, evidences).get(record.candidate_model)
             return ev.add_evaluation(record) if ev is not None else False
         return False
 
-    def _add_outcome(self, record: OutcomeEvent) -> bool:
-        evs = self._evidences(record.route).values() if record.route is not None else ()
+    def _evidences_in(self, route: str, evidences: dict[str, dict[str, RouteEvidence]]) -> dict[str, RouteEvidence]:
+        evs = evidences.get(route)
+        if evs is None:
+            evs = evidences[route] = self._evidences(route)
+        return evs
+
+    def _add_outcome(self, record: OutcomeEvent, evidences: dict[str, dict[str, RouteEvidence]]) -> bool:
+        evs = self._evidences_in(record.route, evidences).values() if record.route is not None else ()
         return any([ev.add_outcome(record) for ev in evs])  # a list: every candidate's evidence takes it
 
     # ---- judging ------------------------------------------------------------------------------------
