@@ -219,3 +219,24 @@ def test_interval_follows_min_step_seconds_and_control_interval():
     assert c.interval_s == pytest.approx(2.0)
     cfg2 = make_config(rollout={"min_step_seconds": 20}, control={"interval_s": 0.5})
     assert Controller(cfg2, MemoryBus(), RolloutBook(cfg2)).interval_s == pytest.approx(0.5)
+
+
+async def test_a_busy_bus_is_judged_every_interval_not_on_every_batch():
+    """In memory mode the judge shares the proxy's event loop: records arriving all the time are
+    taken in, but judged only every interval_s (here 2 s), not on each batch."""
+    cfg = make_config(rollout={"min_step_seconds": 20})
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    controller = Controller(cfg, bus, book)
+    ticks: list[float] = []
+    tick = controller.tick
+    controller.tick = lambda now=None: (ticks.append(time.monotonic()), tick(now))[1]  # type: ignore[method-assign]
+    stop, task = await start(controller)
+    rng = random.Random(1)
+    started = time.monotonic()
+    while time.monotonic() - started < 3.0:  # a batch every ~50 ms
+        publish(bus, traffic(20, 0.0, STABLE, STABLE, shadow_rate=0.3, rng=rng))
+        await asyncio.sleep(0.02)
+    stop.set()
+    await task
+    assert 1 <= len(ticks) <= 2, [round(t - started, 2) for t in ticks]
+    assert controller.evidence["bot"].windows[-1].shadow_records > 100  # every batch was taken in

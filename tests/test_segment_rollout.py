@@ -231,9 +231,11 @@ def test_each_candidate_has_its_share_of_the_routes_shadow_budget():
     cap.add("bot", 0.5, now=2.0, share="worse-m")
     with pytest.raises(OverBudget, match="route bot: shadow.max_usd_per_hour"):
         cap.check("bot", now=3.0)
-    # every sampled request goes to both candidates: half of max_per_minute is sampled
+    # every sampled request goes to both candidates: half of max_per_minute is sampled, spread over
+    # the minute (a burst takes one token, then one every 12 s)
     sampler = ShadowSampler(cfg)
-    assert sum(sampler.admit("bot", now=100.0) for _ in range(20)) == 5
+    assert sum(sampler.admit("bot", now=100.0) for _ in range(20)) == 1
+    assert sum(sampler.admit("bot", now=100.0 + k / 10) for k in range(1, 611)) == 5  # 61 s
 
 
 async def test_a_segment_without_a_verdict_in_time_follows_on_inconclusive():

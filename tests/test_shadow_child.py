@@ -13,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from collectors.embedded.child import NICE
 from tests.fixtures.servers import SIM_MODEL, metric_value, proxy_config, scrape, sim_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -75,6 +76,8 @@ def test_records_and_metrics_come_back_and_a_dead_child_is_replaced(servers):
 
     first = wait_for(lambda: shadow_child(proxy.proc.pid), 10, "the shadow child")
     assert first != proxy.proc.pid
+    # shadow work yields the CPU to live traffic: the child runs at a lower priority than the proxy
+    assert os.getpriority(os.PRIO_PROCESS, first) == os.getpriority(os.PRIO_PROCESS, proxy.proc.pid) + NICE
     os.kill(first, signal.SIGKILL)  # a child of the proxy this test started
     # the proxy does not wait for its shadow child: requests are answered meanwhile
     assert max(ask(client, 100 + i) for i in range(5)) < 2.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import pickle
 import signal
 import socket
@@ -35,6 +36,7 @@ log = logging.getLogger("modelcanary.shadow")
 
 SNAPSHOT_S = 1.0
 EXIT_DRAIN_S = 2.0
+NICE = 10
 TRAFFIC, STOP, RECORD, TAKEN, METRICS = b"t", b"s", b"r", b"c", b"m"
 
 
@@ -135,6 +137,7 @@ def main(config: Config, sock: socket.socket) -> None:
     """The child's entry point (multiprocessing, spawn: the parent's Config arrives pickled, as it was
     validated there, and the socket as a file descriptor)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.nice(NICE)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     uvloop.run(_run(config, sock))

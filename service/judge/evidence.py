@@ -30,8 +30,8 @@ import logging
 import math
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,11 +48,9 @@ from service.judge.catalog import (
     route_segments,
 )
 from service.judge.comparisons import LATENCY_EDGES
+from service.judge.shadow_report import ShadowStats
 from service.recent import Recent
 from service.records import JUDGE_SCORES, EvaluationRecord, OutcomeEvent, RolloutState
-
-if TYPE_CHECKING:
-    from service.judge.shadow_report import ShadowStats
 
 log = logging.getLogger("modelcanary.judge")
 
@@ -447,7 +445,7 @@ class RouteEvidence:
         self._sessions: OrderedDict[tuple, list[float]] = OrderedDict()
         self._blocks: dict[tuple, tuple[int, np.ndarray]] = {}   # (arm, window) → (version, segments × vector)
         self._stacks: dict[Arm, tuple[tuple, np.ndarray]] = {}   # arm → (versions, segments × windows × vector)
-        self.shadow_stats = _make_shadow_stats()
+        self.shadow_stats = ShadowStats()
 
     # ---- windows ----------------------------------------------------------------------------
     def sync(self, state: RolloutState) -> None:
@@ -546,11 +544,10 @@ class RouteEvidence:
                 a.add_pair(name, candidate, stable)
         w.shadow_records += 1
         w.version += 1
-        if self.shadow_stats is not None:
-            try:
-                self.shadow_stats.add(rec)
-            except Exception:  # the report must never stop the judge
-                log.exception("shadow report failed on %s", rec.request_id)
+        try:
+            self.shadow_stats.add(rec)
+        except Exception:  # the report must never stop the judge
+            log.exception("shadow report failed on %s", rec.request_id)
         return True
 
     # ---- arrays for the tests -------------------------------------------------------------------
@@ -659,17 +656,26 @@ class RouteEvidence:
         return {"windows": len(self.windows), "segments": segments}
 
 
-def _rate(x: float, n: float) -> dict:
+def _rates(pairs: Mapping[str, tuple[float, float]]) -> dict[str, dict]:
+    """(count, n) per name as rates with 95 % Wilson intervals, in one vectorised call."""
+    x = np.array([c for c, _ in pairs.values()], dtype=float)
+    n = np.array([m for _, m in pairs.values()], dtype=float)
     lo, hi = stats.wilson_interval(x, n)
-    return {"value": (x / n) if n else None, "count": int(x), "n": int(n),
-            "interval": [float(lo), float(hi)] if n else None}
+    return {name: {"value": (c / m) if m else None, "count": int(c), "n": int(m),
+                   "interval": [float(lo[i]), float(hi[i])] if m else None}
+            for i, (name, (c, m)) in enumerate(pairs.items())}
 
 
 def arm_summary(t: ArmAcc) -> dict:
-    out: dict = {"n": t.n, "completion_rate": _rate(t.completed, t.n),
-                 "model_failure_rate": _rate(t.model_failed, t.n),
-                 "client_retry_rate": _rate(t.retries, t.n)}
-    causes = {c: _rate(t.causes[i], t.n) for i, c in enumerate(MODEL_CAUSES) if t.causes[i] > 0}
+    pairs = {"completion_rate": (t.completed, t.n), "model_failure_rate": (t.model_failed, t.n),
+             "client_retry_rate": (t.retries, t.n)}
+    pairs |= {"cause:" + c: (t.causes[i], t.n) for i, c in enumerate(MODEL_CAUSES) if t.causes[i] > 0}
+    if t.fb_n:
+        pairs["task_success_rate"] = (t.fb_success, t.fb_n)
+    rates = _rates(pairs)
+    out: dict = {"n": t.n, "completion_rate": rates["completion_rate"],
+                 "model_failure_rate": rates["model_failure_rate"], "client_retry_rate": rates["client_retry_rate"]}
+    causes = {name.removeprefix("cause:"): r for name, r in rates.items() if name.startswith("cause:")}
     if causes:
         out["failures_by_cause"] = causes
     if t.latency.sum() > 0:
@@ -678,18 +684,5 @@ def arm_summary(t: ArmAcc) -> dict:
     if t.sum_d > 0 and t.sum_c > 0:
         out["cost_per_completion_usd"] = t.sum_c / t.sum_d
     if t.fb_n:
-        out["task_success_rate"] = _rate(t.fb_success, t.fb_n)
+        out["task_success_rate"] = rates["task_success_rate"]
     return out
-
-
-def _make_shadow_stats() -> ShadowStats | None:
-    """service.judge.shadow_report.ShadowStats when that module is installed, else None."""
-    try:
-        from service.judge.shadow_report import ShadowStats
-    except ImportError:
-        return None
-    try:
-        return ShadowStats()
-    except Exception:
-        log.exception("cannot create ShadowStats; the report goes without its shadow part")
-        return None

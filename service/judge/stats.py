@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
-from scipy import stats as _st
+from scipy.special import ndtri  # the standard normal quantile (scipy.stats.norm.ppf, without its checks: ~200x faster)
 
 __all__ = [
     "Estimate",
@@ -152,7 +152,7 @@ def optimal_tau(var_at: float, alpha: float) -> float:
 def fixed_radius(var: np.ndarray | float, alpha: float) -> np.ndarray:
     """Fixed-horizon two-sided normal interval (valid for ONE look only; baseline for the benchmark)."""
     v = np.asarray(var, dtype=float)
-    z = _st.norm.ppf(1.0 - alpha / 2.0)
+    z = ndtri(1.0 - alpha / 2.0)
     with np.errstate(invalid="ignore"):
         return np.where(np.isfinite(v), z * np.sqrt(np.maximum(v, 0.0)), np.inf)
 
@@ -315,7 +315,7 @@ def wilson_interval(x: np.ndarray | float, n: np.ndarray | float, level: float =
     """Fixed-horizon Wilson interval of one proportion (for display, not for decisions)."""
     x = np.asarray(x, dtype=float)
     n = np.asarray(n, dtype=float)
-    z = _st.norm.ppf(0.5 + level / 2)
+    z = ndtri(0.5 + level / 2)
     with np.errstate(divide="ignore", invalid="ignore"):
         p = x / n
         den = 1 + z * z / n

@@ -9,20 +9,28 @@ from service import metrics
 from service.config import Config
 from service.proxy.routing import unit_hash
 
+BURST_S = 1.0  # the cap admits at most this many seconds' worth of evaluations at once
 
-class _Window:
-    """Count within the current fixed window."""
 
-    __slots__ = ("length_s", "start", "count")
+class _Bucket:
+    """A token bucket: `rate` per second, holding at most `capacity` (at least one)."""
 
-    def __init__(self, length_s: float):
-        self.length_s = length_s
-        self.start = 0.0
-        self.count = 0
+    __slots__ = ("rate", "capacity", "tokens", "at")
 
-    def roll(self, now: float) -> None:
-        if now - self.start >= self.length_s:
-            self.start, self.count = now, 0
+    def __init__(self, per_minute: float):
+        self.rate = per_minute / 60.0
+        self.capacity = max(1.0, self.rate * BURST_S)
+        self.tokens = self.capacity if per_minute > 0 else 0.0
+        self.at: float | None = None
+
+    def take(self, now: float) -> bool:
+        if self.at is not None:
+            self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 class ShadowSampler:
@@ -31,7 +39,8 @@ class ShadowSampler:
 
     def reload(self, config: Config) -> None:
         self._config = config
-        self._minute = {route: _Window(60.0) for route in config.routes}
+        self._buckets = {route: _Bucket(rc.shadow.max_per_minute // max(len(rc.candidates), 1))
+                         for route, rc in config.routes.items()}
 
     def wanted(self, route: str, request_id: str) -> bool:
         """Deterministic by request id, so every replica samples the same requests."""
@@ -40,13 +49,11 @@ class ShadowSampler:
             unit_hash("shadow", request_id) < rc.shadow.sample_rate
 
     def admit(self, route: str, now: float | None = None) -> bool:
-        """Apply `max_per_minute` to a sampled request; a refusal is counted as a drop (reason=budget).
-        Every candidate is shadowed on each sampled request: with several, each has an equal share."""
-        minute = self._minute[route]
-        minute.roll(now or time.monotonic())
-        rc = self._config.routes[route]
-        if minute.count >= rc.shadow.max_per_minute // max(len(rc.candidates), 1):
+        """Apply `max_per_minute` to a sampled request, spread over the minute (a token bucket with one
+        second's worth of burst), so shadow calls never come in a burst of a whole minute's budget.
+        A refusal is counted as a drop (reason=budget). Every candidate is shadowed on each sampled
+        request: with several, each has an equal share."""
+        if not self._buckets[route].take(time.monotonic() if now is None else now):
             metrics.shadow_dropped_total.labels(route, "budget").inc()
             return False
-        minute.count += 1
         return True

@@ -45,7 +45,6 @@ GROUP = "modelcanary-controller"
 MAX_BATCH = 2000
 MIN_INTERVAL_S = 0.05       # the judge never runs more often than this
 MAX_INTERVAL_S = 5.0        # ... and never less often than this
-MIN_GAP_ON_BATCH_S = 1.0    # a busy bus re-runs the judge at most this often (it shares the proxy's loop)
 GATHER_S = 0.05             # records are taken at most this often: a wake-up per batch, not per request
 WEBHOOK_TIMEOUT_S = 5.0
 PAUSED_WAIT_S = 0.2         # how often a paused controller (`may_decide` False) looks again
@@ -102,7 +101,7 @@ class Controller:
         """Judge until `stop`; `sub` (from `subscribe`) when the caller joined the group already;
         while `may_decide()` is False, records are still taken in but nothing is judged."""
         sub = sub or self.subscribe()
-        log.info("controller running: judge every %.2f s and on every batch", self.interval_s)
+        log.info("controller running: judge every %.2f s", self.interval_s)
         last = 0.0
         try:
             while not stop.is_set():
@@ -114,9 +113,7 @@ class Controller:
                     break
                 self.ingest_batch(batch)
                 now = self.clock()
-                gap = min(MIN_GAP_ON_BATCH_S, interval)
-                due = (batch and now - last >= gap) or now - last >= interval
-                if due and (may_decide is None or may_decide()):  # checked again: the wait took time
+                if now - last >= interval and (may_decide is None or may_decide()):  # checked again: the wait took time
                     try:
                         self.tick(now)
                     except Exception:  # a bug in one tick must not stop the controller
@@ -324,11 +321,10 @@ class Controller:
             "live": ev.live_summary(),
             "feedback": self.feedback.summary(route),
         }
-        if ev.shadow_stats is not None:
-            try:
-                report["shadow"] = ev.shadow_stats.summary()
-            except Exception:
-                log.exception("shadow summary failed for %s", route)
+        try:
+            report["shadow"] = ev.shadow_stats.summary()
+        except Exception:
+            log.exception("shadow summary failed for %s", route)
         return finite(report)
 
     # ---- notifications ------------------------------------------------------------------------------
