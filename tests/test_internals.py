@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -27,7 +28,10 @@ from starlette.testclient import TestClient
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from service.bus.kafka import KafkaBus
+from service.bus.kafka.consumer import KafkaSubscription
 from service.bus.kafka.internals import finish_stalled_join, force_close, session_age, topic_id
+from service.config import KafkaConfig, SpoolConfig
 from service.proxy.fast_path import CHAT_PATH, ProxyApp, native_telemetry_on
 from service.proxy.server import GuardedHttpToolsProtocol
 
@@ -218,3 +222,56 @@ def test_a_join_kafka_python_leaves_unfinished_is_started_again(kafka_broker):
     finally:
         consumer.close()
         admin.close()
+
+
+class _JoinSends(logging.Handler):
+    """Counts the JoinGroup requests kafka-python sends for one group (its "(Re-)joining" log line),
+    apart from the first one's retry with the member id the broker assigned."""
+
+    def __init__(self, group: str):
+        super().__init__(logging.INFO)
+        self.group = group
+        self.sent = self.member_id_retries = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if self.group in message and message.startswith("(Re-)joining group"):
+            self.sent += 1
+        elif self.group in message and message.startswith("Received member id"):
+            self.member_id_retries += 1
+
+
+class _BusyThreadSubscription(KafkaSubscription):
+    """A consumer thread busy for 0.7 s between two polls (a loaded machine)."""
+
+    def _after_poll(self, consumer: KafkaConsumer) -> None:
+        time.sleep(0.7)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_join_that_ends_between_two_polls_is_collected_not_sent_again(kafka_broker, tmp_path):
+    """kafka-python 3.0 sends a new JoinGroup (one more rebalance, ~3 s on Tansu) when a join ends
+    while no poll waits for it. The subscription waits for a join under way (`finish_join`); without
+    that, this member never joins."""
+    group = "join-" + uuid.uuid4().hex[:8]
+    bus = KafkaBus(KafkaConfig(bootstrap_servers=kafka_broker.bootstrap, topic_prefix=group, partitions=1),
+                   SpoolConfig(dir=str(tmp_path / "spool")), request_timeout_s=2.0)
+    sends = _JoinSends(group)
+    coordinator_log = logging.getLogger("kafka.coordinator")
+    level = coordinator_log.level
+    coordinator_log.setLevel(logging.INFO)
+    coordinator_log.addHandler(sends)
+    await bus.start()
+    subscription = _BusyThreadSubscription(bus, ["control"], group)
+    try:
+        deadline = time.monotonic() + 60
+        while not await subscription.assignment() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await subscription.assignment() == {("control", 0)}
+        assert sends.sent - sends.member_id_retries == 1, f"{sends.sent} JoinGroup requests for one join"
+    finally:
+        await subscription.close()
+        await bus.close()
+        coordinator_log.removeHandler(sends)
+        coordinator_log.setLevel(level)

@@ -19,7 +19,7 @@ from kafka.structs import OffsetAndMetadata
 from service import metrics
 from service.bus.base import Topic
 from service.bus.kafka.admin import broker_reachable, build_client, create_missing_topics, describe
-from service.bus.kafka.internals import finish_stalled_join, topic_id
+from service.bus.kafka.internals import finish_join, finish_stalled_join, topic_id
 from service.records import Record, load
 
 log = logging.getLogger("modelcanary.bus.kafka")
@@ -48,9 +48,10 @@ class KafkaSubscription:
     Polling all the time (not only inside get_batch) keeps heartbeats and group joins going however
     slowly the caller works, so `max_poll_interval_ms` is never exceeded by slow work (a shadow worker
     may hold records for minutes while upstream calls retry; only this thread's own calls, each
-    bounded well below the interval, come between two polls), and a join that completes between two
-    short polls is not lost (kafka-python 3.0 drops such a join and re-joins). The interval is also
-    the rebalance timeout a join waits for, which is why it stays small: joins take ~3 s.
+    bounded well below the interval, come between two polls). A join under way is waited for in
+    back-to-back waits of `join_wait_ms`, so none ends in the gap between two polls (kafka-python
+    3.0 drops such a join and joins again: `internals.finish_join`). The interval is also the rebalance timeout a join waits for, which is
+    why it stays small: joins take ~3 s.
     When the buffer is full the partitions are paused. `group=None`: every partition, no group, no
     commits; from the beginning, or, with `latest_of` (keys), first each of those keys' latest record
     (read back from the end, see `_latest`) and then every new record; `caught_up` is set once those
@@ -62,6 +63,7 @@ class KafkaSubscription:
     session_timeout_ms = 6000
     heartbeat_interval_ms = 1000
     poll_timeout_ms = 100
+    join_wait_ms = 1000
     metadata_max_age_ms = 5000
     assignors: tuple[type, ...] | None = None  # kafka-python's default (eager range, round robin)
 
@@ -179,6 +181,8 @@ class KafkaSubscription:
                 continue
             try:
                 self._replacement_check(consumer)
+                if self.group is not None and finish_join(consumer, self.join_wait_ms):
+                    continue  # commands and stop are seen each join_wait_ms; then the join is waited for again
                 self._backpressure(consumer)
                 raw = consumer.poll(timeout_ms=self.poll_timeout_ms, max_records=self.max_poll_records)
             except Exception as e:

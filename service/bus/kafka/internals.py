@@ -58,6 +58,24 @@ def finish_stalled_join(consumer: KafkaConsumer) -> bool:
     return False
 
 
+def finish_join(consumer: KafkaConsumer, timeout_ms: int) -> bool:
+    """Wait up to `timeout_ms` for a group join under way; whether one was under way.
+
+    kafka-python 3.0 keeps a join running when the poll waiting for it times out, but when it ends
+    before the next poll waits again, that poll drops the answer and sends a new JoinGroup (one
+    more rebalance: ~3 s on Tansu). A consumer thread busy for 0.7 s between 0.1 s polls never
+    joins. The coordinator's own poll returns as soon as the join is done (`KafkaConsumer.poll`
+    would go on waiting for records)."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    try:
+        if coordinator.rejoining is not True or not coordinator.need_rejoin():  # type: ignore[union-attr]
+            return False  # no join, or one finish_stalled_join must start again
+    except AttributeError:
+        return False
+    coordinator.poll(timeout_ms=timeout_ms)  # type: ignore[union-attr]
+    return True
+
+
 def session_age(consumer: KafkaConsumer) -> float | None:
     """Seconds since the group coordinator last answered a heartbeat of this member (inf: not yet):
     past the session timeout the broker may have given its partitions to another. Only an answer
