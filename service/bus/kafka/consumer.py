@@ -50,8 +50,8 @@ class KafkaSubscription:
     may hold records for minutes while upstream calls retry; only this thread's own calls, each
     bounded well below the interval, come between two polls). A join under way is waited for in
     back-to-back waits of `join_wait_ms`, so none ends in the gap between two polls (kafka-python
-    3.0 drops such a join and joins again: `internals.finish_join`). The interval is also the rebalance timeout a join waits for, which is
-    why it stays small: joins take ~3 s.
+    3.0 drops such a join and joins again: `internals.finish_join`). The interval is also the
+    rebalance timeout a join waits for, which is why it stays small: joins take ~3 s.
     When the buffer is full the partitions are paused. `group=None`: every partition, no group, no
     commits; from the beginning, or, with `latest_of` (keys), first each of those keys' latest record
     (read back from the end, see `_latest`) and then every new record; `caught_up` is set once those
@@ -182,7 +182,7 @@ class KafkaSubscription:
             try:
                 self._replacement_check(consumer)
                 if self.group is not None and finish_join(consumer, self.join_wait_ms):
-                    continue  # commands and stop are seen each join_wait_ms; then the join is waited for again
+                    continue  # commands and stop are checked between two waits
                 self._backpressure(consumer)
                 raw = consumer.poll(timeout_ms=self.poll_timeout_ms, max_records=self.max_poll_records)
             except Exception as e:
