@@ -91,6 +91,13 @@ class Traffic:
     def resume(self) -> None:
         self._running.set()
 
+    def wait_calls(self, n: int, timeout_s: float) -> None:
+        """Until n calls have ended (the rate is a ceiling: slow answers make it lower)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.results) < n:
+            assert time.monotonic() < deadline, f"{len(self.results)} of {n} calls made in {timeout_s}s"
+            time.sleep(0.1)
+
     def stop(self) -> list[tuple[str | None, int, str]]:
         self._stop.set()
         self._thread.join(30)

@@ -82,7 +82,7 @@ def test_worker_and_controller_killed_and_restarted(kafka_broker, servers, tmp_p
         t.start()
     for t in restarts:
         t.join(60)
-    time.sleep(4.0)
+    traffic.wait_calls(max(40, len(traffic.results) + 15), timeout_s=90)  # and calls after the restart
     results = traffic.stop()
 
     failed = [r for r in results if r[1] != 200]
