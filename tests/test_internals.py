@@ -153,6 +153,46 @@ def test_the_guarded_protocol_serves_and_refuses_through_uvicorns_callbacks():
     asyncio.run(go())
 
 
+def test_a_whole_response_goes_out_in_one_send_and_a_streams_head_at_once():
+    """JoinedHead: uvicorn writes a response's head and body apart; the proxy sends them together,
+    but never holds a head back while the body is not there yet (a stream before its first event)."""
+    body_may_come = asyncio.Event()
+
+    async def later(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await body_may_come.wait()
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": False})
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        for app in (hello, later):
+            protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(app, log_level="warning"),
+                                                server_state=ServerState(), app_state={}, _loop=loop)
+            ours, theirs = socket.socketpair()
+            theirs.setblocking(False)
+            await loop.connect_accepted_socket(lambda p=protocol: p, ours)
+            writes: list[bytes] = []
+
+            def counted(data: bytes, real=protocol.transport.write, writes=writes) -> None:
+                writes.append(data)
+                real(data)
+
+            protocol.transport.write = counted
+            await loop.sock_sendall(theirs, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
+            if app is hello:
+                assert first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n\r\nok"), first
+                assert len(writes) == 1, writes
+            else:
+                assert first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n\r\n"), first
+                body_may_come.set()
+                rest = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
+                assert b"data: 1" in rest, rest
+            theirs.close()
+
+    asyncio.run(go())
+
+
 # ---- kafka-python ------------------------------------------------------------------------------------
 
 

@@ -1,14 +1,14 @@
-"""Any OpenAI-compatible HTTP API, over one pooled aiohttp session per provider."""
+"""Any OpenAI-compatible HTTP API, over the pooled HTTP/1.1 connections of `http1.Origin`."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-
-import aiohttp
+from collections.abc import AsyncIterator
 
 from service.config import ProviderConfig
 from service.upstream.base import TransportFailure, UpstreamReply
+from service.upstream.http1 import Connection, HTTPFailure, Origin
 
 # Response headers worth passing back to the client.
 FORWARD_HEADERS = ("content-type", "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
@@ -24,20 +24,10 @@ class OpenAICompatibleProvider:
     def __init__(self, name: str, cfg: ProviderConfig):
         self.name = name
         self.max_retries = cfg.max_retries
-        self._base = cfg.base_url
-        self._api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        self._timeout = aiohttp.ClientTimeout(total=cfg.timeout_s, connect=cfg.connect_timeout_s,
-                                              sock_read=cfg.timeout_s)
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s,
-                                                     sock_read=cfg.timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                                  skip_auto_headers=("User-Agent",), auto_decompress=True)
-        return self._session
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        self._api_key = key.strip() if key else None  # a key file's trailing newline is not part of it
+        self._timeout_s = cfg.timeout_s
+        self._origin = Origin(cfg.base_url, cfg.connect_timeout_s)
 
     def auth_header(self, client_auth: str | None) -> str | None:
         """The provider's own key when configured, else the client's Authorization passes through."""
@@ -47,51 +37,47 @@ class OpenAICompatibleProvider:
 
     async def send(self, path: str, body: bytes, headers: dict[str, str], stream: bool,
                    method: str = "POST") -> UpstreamReply:
-        session = self._get_session()
-        url = self._base + path
         try:
-            resp = await session.request(method, url, data=body or None, headers=headers,
-                                         timeout=self._stream_timeout if stream else self._timeout)
-        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
-            raise TransportFailure("timeout", f"no answer from {self.name} in time") from e
-        except aiohttp.ClientError as e:
-            raise TransportFailure("connection_error", f"{self.name}: {type(e).__name__}") from e
-        reply_headers = {k: v for k in FORWARD_HEADERS if (v := resp.headers.get(k)) is not None}
-        if stream and resp.status == 200:
-            return UpstreamReply(resp.status, reply_headers, _stream=_iter(resp, self.name), _release=resp.release,
-                                 _settle=lambda: _read_rest(resp))
+            conn = await self._origin.request(method, path, body, headers, self._timeout_s, stream)
+        except HTTPFailure as e:
+            raise self._failure(e, f"no answer from {self.name} in time") from None
+        reply_headers = {k: v for k in FORWARD_HEADERS if (v := conn.headers.get(k)) is not None}
+        if stream and conn.status == 200:
+            return UpstreamReply(conn.status, reply_headers, _stream=self._chunks(conn), _release=conn.release,
+                                 _settle=lambda: _read_rest(conn))
         try:
-            data = await resp.read()
-        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
-            raise TransportFailure("timeout", f"{self.name} stopped answering mid-body") from e
-        except aiohttp.ClientError as e:
-            raise TransportFailure("connection_error", f"{self.name}: {type(e).__name__} mid-body") from e
+            data = await conn.read()
+        except HTTPFailure as e:
+            raise self._failure(e, f"{self.name} stopped answering mid-body") from None
         finally:
-            resp.release()
-        return UpstreamReply(resp.status, reply_headers, body=data)
+            conn.release()
+        return UpstreamReply(conn.status, reply_headers, body=data)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._origin.close()
+
+    def _failure(self, e: HTTPFailure, timed_out: str) -> TransportFailure:
+        if e.timeout:
+            return TransportFailure("timeout", timed_out)
+        return TransportFailure("connection_error", f"{self.name}: {e.detail}")
+
+    async def _chunks(self, conn: Connection) -> AsyncIterator[bytes]:
+        """The body as it comes. The reader releases the connection (`UpstreamReply.settle`/`release`),
+        also when it stops before the body's end."""
+        try:
+            while data := await conn.next_chunk():
+                yield data
+        except HTTPFailure as e:
+            if e.timeout:
+                raise TransportFailure("timeout", f"{self.name} stream stalled") from None
+            raise TransportFailure("connection_error", f"{self.name} stream broke: {e.detail}") from None
 
 
-async def _iter(resp: aiohttp.ClientResponse, name: str):
-    """The body as it comes. The reader releases the response (`UpstreamReply.settle`/`release`),
-    also when it stops before the body's end."""
-    try:
-        async for data in resp.content.iter_any():
-            yield data
-    except (TimeoutError, aiohttp.ServerTimeoutError) as e:
-        raise TransportFailure("timeout", f"{name} stream stalled") from e
-    except aiohttp.ClientError as e:
-        raise TransportFailure("connection_error", f"{name} stream broke: {type(e).__name__}") from e
-
-
-async def _read_rest(resp: aiohttp.ClientResponse) -> None:
+async def _read_rest(conn: Connection) -> None:
     try:
         async with asyncio.timeout(SETTLE_S):
             size = 0
-            while size <= SETTLE_BYTES and (data := await resp.content.readany()):
+            while size <= SETTLE_BYTES and (data := await conn.next_chunk()):
                 size += len(data)
-    except (TimeoutError, aiohttp.ClientError):
-        pass  # released unfinished: aiohttp closes the connection instead of reusing it
+    except (TimeoutError, HTTPFailure):
+        pass  # released unfinished: the connection is closed instead of reused

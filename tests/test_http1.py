@@ -1,0 +1,281 @@
+"""service/upstream/http1.py, the upstream HTTP/1.1 client, against small servers on real sockets:
+each test's server answers with the bytes a real server could send (keep-alive, close, chunks, a
+stall, garbage), and the client must do what the proxy relies on."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from service.upstream.http1 import HIGH_WATER, HTTPFailure, Origin
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return head + await reader.readexactly(length)
+
+
+def ok(body: bytes, *extra: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        len(body), b"".join(h + b"\r\n" for h in extra), body)
+
+
+class Server:
+    """An asyncio server on 127.0.0.1 counting its connections; `handler` serves each one."""
+
+    def __init__(self, handler: Handler):
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+
+    async def __aenter__(self) -> Server:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+                pass  # the client left, or the test is over
+            finally:
+                writer.close()
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+
+def keep_alive_server(server_box: list[Server], answer: bytes = ok(b'{"ok":true}')) -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            server_box[0].requests.append(await read_request(reader))
+            writer.write(answer)
+            await writer.drain()
+    return handler
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+async def get(origin: Origin, body: bytes = b"{}", timeout_s: float = 5.0, stream: bool = False):
+    return await origin.request("POST", "/chat/completions", body, {"Content-Type": "application/json"},
+                                timeout_s, stream)
+
+
+def test_calls_reuse_one_connection_and_send_a_well_formed_request():
+    async def go():
+        box: list[Server] = []
+        async with Server(keep_alive_server(box)) as server:
+            box.append(server)
+            origin = Origin(server.url, 5)
+            for _ in range(3):
+                conn = await get(origin, b'{"model":"m"}')
+                assert conn.status == 200 and conn.headers["content-type"] == "application/json"
+                assert await conn.read() == b'{"ok":true}'
+                conn.release()
+            assert server.connections == 1
+            port = server.url.split(":")[2].split("/")[0]
+            assert server.requests[0] == (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:" + port.encode()
+                                          + b"\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n"
+                                          + b'{"model":"m"}')
+            await origin.close()
+    run(go())
+
+
+def test_a_connection_the_server_closes_is_not_reused():
+    async def go():
+        async def answer_then_close(reader, writer):
+            await read_request(reader)
+            writer.write(ok(b"1", b"connection: close"))
+            await writer.drain()
+
+        async with Server(answer_then_close) as server:
+            origin = Origin(server.url, 5)
+            for _ in range(2):
+                conn = await get(origin)
+                assert await conn.read() == b"1"
+                conn.release()
+            assert server.connections == 2
+
+        async def idle_timeout(reader, writer):  # keeps the connection open, then closes it idle
+            await read_request(reader)
+            writer.write(ok(b"2"))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+        async with Server(idle_timeout) as server:
+            origin = Origin(server.url, 5)
+            conn = await get(origin)
+            assert await conn.read() == b"2"
+            conn.release()
+            assert len(origin._idle) == 1
+            while not origin._idle[-1].closed:
+                await asyncio.sleep(0.01)
+            conn = await get(origin)  # the closed idle one is skipped, not written to
+            assert await conn.read() == b"2"
+            conn.release()
+            assert server.connections == 2
+    run(go())
+
+
+def test_a_stream_comes_chunk_by_chunk_and_a_slow_reader_pauses_the_socket():
+    async def go():
+        go_on = asyncio.Event()
+        big = b"x" * (HIGH_WATER * 3)
+
+        async def chunked(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"a\r\ndata: 1\n\n\n\r\n")
+            await writer.drain()
+            await go_on.wait()
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+            await writer.drain()
+
+        async with Server(chunked) as server:
+            origin = Origin(server.url, 5)
+            conn = await get(origin, stream=True)
+            assert conn.status == 200
+            assert await conn.next_chunk() == b"data: 1\n\n\n"
+            go_on.set()
+            while not conn.done and not conn._paused:
+                await asyncio.sleep(0.01)
+            assert conn._paused, "a reader far behind must stop the socket's reads"
+            got = b""
+            while chunk := await conn.next_chunk():
+                got += chunk
+            assert got == big and conn.done
+            conn.release()
+            assert len(origin._idle) == 1
+    run(go())
+
+
+def test_bodies_that_end_at_close_or_come_gzipped_are_read_whole():
+    async def go():
+        async def until_close(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n\r\nall of it")
+            await writer.drain()
+
+        async with Server(until_close) as server:
+            origin = Origin(server.url, 5)
+            conn = await get(origin)
+            assert await conn.read() == b"all of it"
+            conn.release()
+            assert not origin._idle
+
+        packed = gzip.compress(b'{"answer":"' + b"z" * 5000 + b'"}')
+        box: list[Server] = []
+        async with Server(keep_alive_server(box, ok(packed, b"content-encoding: gzip"))) as server:
+            box.append(server)
+            origin = Origin(server.url, 5)
+            conn = await get(origin)
+            assert await conn.read() == b'{"answer":"' + b"z" * 5000 + b'"}'
+            conn.release()
+    run(go())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_silent_server_times_out(stream: bool):
+    async def go():
+        async def stall(reader, writer):
+            await read_request(reader)
+            if stream:
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+                await writer.drain()
+            await asyncio.sleep(30)
+
+        async with Server(stall) as server:
+            origin = Origin(server.url, 5)
+            started = time.monotonic()
+            with pytest.raises(HTTPFailure) as failure:
+                conn = await get(origin, timeout_s=0.3, stream=stream)
+                assert await conn.next_chunk() == b"abc"
+                await conn.next_chunk()
+            assert failure.value.timeout
+            assert time.monotonic() - started < 5
+            assert not origin._open  # the timed-out connection is closed
+    run(go())
+
+
+def test_a_stream_that_keeps_sending_does_not_time_out_on_its_total_length():
+    async def go():
+        async def trickle(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for _ in range(6):
+                writer.write(b"1\r\n.\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+        async with Server(trickle) as server:
+            origin = Origin(server.url, 5)
+            conn = await get(origin, timeout_s=0.35, stream=True)
+            got = b""
+            while chunk := await conn.next_chunk():
+                got += chunk
+            assert got == b"......"
+            conn.release()
+    run(go())
+
+
+def test_broken_answers_are_connection_errors():
+    async def go():
+        async def cut_short(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten b")
+            await writer.drain()
+
+        async def garbage(reader, writer):
+            await read_request(reader)
+            writer.write(b"SMTP ready\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        async def hang_up(reader, writer):
+            await read_request(reader)
+
+        for handler, where in ((cut_short, "mid-body"), (garbage, "malformed"), (hang_up, "before answering")):
+            async with Server(handler) as server:
+                origin = Origin(server.url, 5)
+                with pytest.raises(HTTPFailure) as failure:
+                    conn = await get(origin)
+                    await conn.read()
+                assert not failure.value.timeout and where in failure.value.detail, failure.value.detail
+
+        closed = Origin("http://127.0.0.1:1/v1", 5)
+        with pytest.raises(HTTPFailure) as failure:
+            await get(closed)
+        assert not failure.value.timeout and "could not connect" in failure.value.detail
+    run(go())
+
+
+def test_an_unfinished_answer_closes_its_connection_and_header_injection_is_refused():
+    async def go():
+        async def part_then_stall(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\nfirst part")
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        async with Server(part_then_stall) as server:
+            origin = Origin(server.url, 5)
+            conn = await get(origin, stream=True)
+            conn.release()  # abandoned before its end: never handed to the next call
+            assert conn.closed and not origin._idle
+            with pytest.raises(ValueError, match="line break"):
+                await origin.request("POST", "/x", b"", {"Authorization": "Bearer k\r\nX-Evil: 1"}, 5, False)
+    with pytest.raises(ValueError, match="base_url"):
+        Origin("ftp://example.com", 5)
+    run(go())
