@@ -282,6 +282,32 @@ def test_replay_of_the_stable_model_against_itself_passes(replay_setup):
     assert len(result["records"]) == 70 and all(rec["stable_again"] for rec in result["records"])
 
 
+def test_replay_stability_asks_the_stable_model_now_not_its_recorded_answer(servers, tmp_path):
+    """A golden set recorded from an older stable version: its live answers all say something else.
+    Stability is about the model now, so the recorded answer is no part of the stable side's."""
+    steady = copy.deepcopy(SIM_MODEL)
+    steady["divergence"] = 0.0  # same content on every call, in its own wording
+    sim = servers.simulator(sim_config({"good-model": steady, "new-model": steady}))
+    older = {"id": "chatcmpl-old", "object": "chat.completion", "created": 1, "model": "good-model",
+             "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                 "role": "assistant", "content": "Our office opens at nine and parking is behind the library."}}],
+             "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21}}
+    cases = [dataset.Case(request_id=f"chat-{i}", ts=time.time(), route=ROUTE, segment="chat", request=chat_request(i),
+                          live={"model": "stable-m", "status": 200, "body": older, "latency_s": 0.1,
+                                "outcome": "completed"}) for i in range(12)]
+    golden = tmp_path / "older.jsonl"
+    dataset.write(golden, cases)
+    config = write_yaml(tmp_path / "replay.yaml", proxy_config(sim.url))
+    r = cli(["replay", str(golden), "--candidate", "stable-m", "--config", str(config), "--repeats", "3", "--json"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = json.loads(r.stdout)["records"]
+    assert max(rec["similarity"]["candidate_vs_stable"] for rec in records) < 0.6  # the recorded answer differs
+    stable = [rec["stability"]["stable"] for rec in records]
+    candidate = [rec["stability"]["candidate"] for rec in records]
+    assert min(stable) > 0.8, stable  # with the recorded answer in: about 0.4
+    assert abs(sum(stable) - sum(candidate)) / len(stable) < 0.05, (stable, candidate)
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 
 

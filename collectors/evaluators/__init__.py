@@ -12,6 +12,8 @@ __all__ = ["AgreementEvaluator", "Caller", "EvalContext", "Evaluator", "JudgeEva
            "StabilityEvaluator", "VerifiersEvaluator", "default_evaluators"]
 
 
-def default_evaluators() -> list[Evaluator]:
-    """Every evaluator; each decides per record (and per route config) whether it runs."""
-    return [VerifiersEvaluator(), AgreementEvaluator(), StabilityEvaluator(), JudgeEvaluator()]
+def default_evaluators(live_is_recorded: bool = False) -> list[Evaluator]:
+    """Every evaluator; each decides per record (and per route config) whether it runs. A replay's
+    live answer is recorded, not drawn now: stability then asks the stable model afresh only."""
+    return [VerifiersEvaluator(), AgreementEvaluator(), StabilityEvaluator(count_live=not live_is_recorded),
+            JudgeEvaluator()]

@@ -3,7 +3,10 @@ stable model are each asked k times, and each one's stability is the mean pairwi
 its k answers (collectors.similarity), in [0, 1].
 
 The candidate's shadow answer counts as its first; the live answer, and the stable-again answer
-when there is one, count as the stable model's first ones. Both sides come from the same request,
+when there is one, count as the stable model's first ones. A replay (`count_live=False`) leaves the
+recorded live answer out: it is one fixed draw from another time, and a golden set whose live
+answers happened to diverge more often than the model does would bias every replay of it against
+the stable side. Both sides come from the same request,
 so the record's `stability {candidate, stable}` is one paired difference for the judge's
 `stability_gap`. The evaluator passes when the candidate's answers agree with each other on average
 (stability ≥ `shadow.similarity.agree_at`). Fewer than two readable answers on a side leaves that
@@ -23,14 +26,18 @@ class StabilityEvaluator:
     name = "stability"
     version = "2"
 
+    def __init__(self, count_live: bool = True):
+        self.count_live = count_live
+
     def selected(self, ctx: EvalContext) -> bool:
         cfg = ctx.route_cfg.shadow.stability
-        return ctx.candidate.answered and ctx.live is not None and sampled("stability", ctx.request_id, cfg.sample_rate)
+        return ctx.candidate.answered and (ctx.live is not None or not self.count_live) \
+            and sampled("stability", ctx.request_id, cfg.sample_rate)
 
     async def evaluate(self, ctx: EvalContext) -> EvaluationResult:
         k = ctx.route_cfg.shadow.stability.k
         candidate = ctx.candidate.model  # the candidate of this record (a route may have several)
-        stable = [ctx.live]
+        stable = [ctx.live] if self.count_live and ctx.live is not None else []
         if ctx.stable_again is not None and ctx.stable_again.answered:
             stable.append(ctx.stable_again.response)
         asks = [(candidate, k - 1), (ctx.stable_model, k - len(stable))]

@@ -9,9 +9,9 @@ case with `--repeats k`, and the case's own checks, checks.py). The resulting Ev
 go through the live judge's evidence and comparisons (service.judge) with a fixed-horizon
 boundary (the sample is fixed: one look), against the route's `rollout.margins`.
 
-Offline, the stable reference for latency and cost is the stable model asked now (its second
-answer), not the latency recorded live at another time and load; the live answer stays the
-reference for similarity and the judge.
+Offline, the stable reference for latency, cost and stability is the stable model asked now (its
+second answer, and k fresh answers for stability), not what was recorded live at another time and
+load; the live answer stays the reference for similarity and the judge.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ async def run(cases: list[Case], config: Config, candidate: str, stable: str | N
     runs = {route: RouteRun(route, cfg.routes[route]) for route in sorted(routes)}
     checks = CaseChecksEvaluator({c.request_id: c.checks for c in cases if c.checks is not None and c.check_kinds})
     providers = make_providers(cfg)
-    worker = ShadowWorker(cfg, MemoryBus(), providers, evaluators=[*default_evaluators(), checks])
+    worker = ShadowWorker(cfg, MemoryBus(), providers, evaluators=[*default_evaluators(live_is_recorded=True), checks])
     client = worker.client = RecordingClient(cfg, providers)
     version = cfg.version()
     limit = asyncio.Semaphore(cfg.collect.concurrency)
