@@ -3,7 +3,7 @@
 Prints markdown tables (each benchmark's as it finishes, then the headline numbers against the
 targets), writes each benchmark's JSON into benchmarks/results/, plus summary.json and report.md.
 
-    python benchmarks/run_all.py                 # the full run (~15-20 min on 2 cores)
+    python benchmarks/run_all.py                 # the full run (~25 min on 2 cores)
     python benchmarks/run_all.py --quick         # a short smoke run (< 3 min)
     python benchmarks/run_all.py --only streaming,rate_sweep
     python benchmarks/run_all.py --no-litellm    # skip the LiteLLM side (no install)
