@@ -85,6 +85,18 @@ def test_the_chat_shortcut_answers_and_steps_aside_when_it_would_change_behaviou
     assert TestClient(with_root_path).post(CHAT_PATH, json={"model": "m"}).text == "router"
 
 
+def test_the_chat_shortcut_steps_aside_for_fastapis_telemetry_as_it_is_at_the_first_request(monkeypatch):
+    instrumented = shortcut_app()
+    monkeypatch.setattr(instrumented._native_telemetry, "enabled", lambda: True)
+    client = TestClient(instrumented)
+    assert client.post(CHAT_PATH, json={"model": "m"}).text == "router"
+    plain = shortcut_app()
+    client = TestClient(plain)
+    assert client.post(CHAT_PATH, json={"model": "m"}).text == "fast m"
+    monkeypatch.setattr(plain._native_telemetry, "enabled", lambda: True)  # decided once: not asked again
+    assert client.post(CHAT_PATH, json={"model": "m"}).text == "fast m"
+
+
 # ---- uvicorn: the guarded httptools protocol and the draining server ----------------------------------
 
 OVERRIDDEN = {  # HttpToolsProtocol method -> its parameters after self

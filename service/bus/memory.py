@@ -112,6 +112,7 @@ class MemoryBus:
         self._subs: dict[Topic, list[MemorySubscription]] = {}
         self._groups: dict[tuple[str, tuple[Topic, ...]], MemorySubscription] = {}
         self._latest_rollouts: dict[str, Record] = {}
+        self._published = metrics.LabelCache(metrics.events_published_total)
         # (topic, group label) -> its gauge child and the subscriptions it sums (followers share "none")
         self._lag: dict[tuple[Topic, str], tuple[Gauge, list[MemorySubscription]]] = {}
 
@@ -125,7 +126,7 @@ class MemoryBus:
         for sub in self._subs.get(topic, ()):
             delivered = sub.offer(topic, record) or delivered
         if delivered or not self._subs.get(topic):
-            metrics.events_published_total.labels(topic).inc()
+            self._published.get(topic).inc()
 
     def subscribe(self, topics: list[Topic], group: str | None) -> MemorySubscription:
         key = (group, tuple(topics)) if group else None

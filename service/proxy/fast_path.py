@@ -34,15 +34,16 @@ class ProxyApp(FastAPI):
 
     The handler answers its own errors in OpenAI's shape; anything unexpected gets the catch-all
     500. The shortcut steps aside whenever it would change behaviour: when user middleware is
-    added, a root path is set, or FastAPI's own OpenTelemetry instrumentation is active.
+    added, a root path is set, or FastAPI's own OpenTelemetry instrumentation is active, as they
+    stand at the first request.
     """
 
     fast_chat: Callable[[Request], Awaitable[Response]] | None = None  # set by create_app
+    _shortcut: bool | None = None  # decided at the first request, when the app's setup is over
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"] == CHAT_PATH and scope["method"] == "POST"
-                and self.fast_chat is not None and not self.user_middleware and not self.root_path
-                and not native_telemetry_on(self)):
+        if scope["type"] == "http" and scope["path"] == CHAT_PATH and scope["method"] == "POST" and self.shortcut():
+            assert self.fast_chat is not None  # shortcut() requires it
             scope["app"] = self
             request = Request(scope, receive, send)
             try:
@@ -53,6 +54,15 @@ class ProxyApp(FastAPI):
             await response(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+    def shortcut(self) -> bool:
+        """Whether the shortcut is on, decided once: middleware can't be added once the app has started,
+        and FastAPI's instrumentation turns on with a global OpenTelemetry provider, which is set at
+        start-up. Asking FastAPI on every request cost ~7 µs of the ~200 a proxied call takes."""
+        if self._shortcut is None:
+            self._shortcut = (self.fast_chat is not None and not self.user_middleware and not self.root_path
+                              and not native_telemetry_on(self))
+        return self._shortcut
 
 
 def native_telemetry_on(app: FastAPI) -> bool:

@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 
 FEEDBACK_MEMORY = 100_000
 
+# Every request's OutcomeEvent is a copy of this one with the call's fields: `model_construct` walks
+# all the model's fields, defaults and aliases each time (~12 µs a request, against ~5 for the copy).
+_REQUEST_OUTCOME = OutcomeEvent.model_construct(
+    request_id="", ts=0.0, route=None, model=None, role=None, segment=None, session_id_hash=None, outcome=None,
+    cause=None, blame=None, latency_s=None, ttft_s=None, input_tokens=0, output_tokens=0, cost_usd=0.0,
+    client_retry=False, upstream_retries=0, status=None, kind="request", success=None, reason=None,
+    response_id=None,
+)
+
 
 @dataclass(slots=True)
 class Call:
@@ -127,14 +136,13 @@ class Recorder:
             self._cost.get(route, model, role).inc(cost)
 
         sid = session_hash(call.session_key)
-        self.bus.publish("outcomes", OutcomeEvent.model_construct(
+        self.bus.publish("outcomes", _REQUEST_OUTCOME.model_copy(update=dict(
             request_id=call.request_id, ts=time.time(), route=route, model=model, role=role,
             segment=call.segment, session_id_hash=sid, outcome=verdict.outcome, cause=verdict.cause,
             blame=verdict.blame, latency_s=call.latency_s, ttft_s=call.ttft_s, input_tokens=input_tokens,
             output_tokens=output_tokens, cost_usd=cost, client_retry=call.client_retry,
-            upstream_retries=call.upstream_retries, status=call.status or None, kind="request", success=None,
-            reason=None, response_id=call.response_id,
-        ))
+            upstream_retries=call.upstream_retries, status=call.status or None, response_id=call.response_id,
+        )))
         self._served.remember(call.request_id, (route, model, role, call.segment), sid)
         if call.span is not None:
             call.span.finish(response_model=(call.response or {}).get("model"), input_tokens=input_tokens,
