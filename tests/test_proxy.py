@@ -412,6 +412,35 @@ def test_feedback_and_passthrough(stack):
     assert metric_value(text, "modelcanary_time_to_first_token_seconds_count", route="support-bot") >= 1
 
 
+def test_feedback_sent_the_moment_an_answer_is_in_finds_its_call(stack):
+    """The recorder takes finished calls a turn of the loop later, in batches: still before the loop
+    reads what a client sends next, so feedback right after the answer, on the same connection, under
+    concurrent load, always finds the call, and the metrics count every answer."""
+    _, proxy, _ = stack
+    body = {"model": "support-bot", "messages": [{"role": "user", "content": "hello"}]}
+
+    async def one_client(session: aiohttp.ClientSession) -> list[tuple[int, str | None]]:
+        seen = []
+        for _ in range(25):
+            async with session.post(proxy.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+                rid = r.headers["x-request-id"]
+            async with session.post(proxy.url + "/v1/feedback", json={"request_id": rid, "success": True}) as r:
+                seen.append((r.status, (await r.json()).get("status")))
+        return seen
+
+    async def run() -> list[list[tuple[int, str | None]]]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as session:
+            return await asyncio.gather(*(one_client(session) for _ in range(16)))
+
+    results = asyncio.run(run())
+    assert [s for seen in results for s in seen] == [(202, "recorded")] * 400
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_requests_total", route="support-bot", outcome="completed") == 400
+    assert metric_value(text, "modelcanary_feedback_total", route="support-bot", outcome="success") == 400
+
+
 def test_client_retry_detection(stack):
     _, proxy, client = stack
     body = {"model": "support-bot", "messages": [{"role": "user", "content": "same question"}]}

@@ -325,10 +325,7 @@ class Proxy:
         self.in_flight -= 1
         self._in_flight_gauge(call.route).dec()
         call.latency_s = time.perf_counter() - call.started
-        try:
-            self.recorder.finish(call)
-        except Exception:
-            log.exception("could not record request %s", call.request_id)
+        self.recorder.add(call)
 
     # ---- other OpenAI endpoints ------------------------------------------------------------
     async def passthrough(self, request: Request, path: str) -> Response:

@@ -3,6 +3,8 @@ client's critical path (it runs once the response is sent)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from service.records import OutcomeEvent, PrimaryResult, Role, TrafficEvent
 
 if TYPE_CHECKING:
     from service.tracing import CallSpan
+
+log = logging.getLogger("modelcanary.proxy")
 
 FEEDBACK_MEMORY = 100_000
 
@@ -88,6 +92,7 @@ class Recorder:
         self.config_version = config.version()
         self._served = ServedMemory(FEEDBACK_MEMORY)
         self._redact = self._compile_redactions(config)
+        self._pending: list[Call] = []
         # labelled children looked up once per label set (`labels()` takes a lock and builds tuples)
         self._requests = metrics.LabelCache(metrics.requests_total)
         self._failures = metrics.LabelCache(metrics.failures_total)
@@ -101,6 +106,25 @@ class Recorder:
         self.config = config
         self.config_version = config.version()
         self._redact = self._compile_redactions(config)
+
+    def add(self, call: Call) -> None:
+        """Record a finished call at the loop's next turn, with the others that finished in this one.
+        That turn comes before the loop reads more input, so whatever a client sends once it has its
+        answer (feedback, a /metrics scrape) sees the call recorded. Same-run A/Bs on 2026-12-02,
+        c=16: 280 vs 310 µs of CPU a request against recording each call as it ends; the profile
+        puts the difference in the socket writes (how the loop's turns line up with the client's),
+        not in the recording itself."""
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(call)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for call in pending:
+            try:
+                self.finish(call)
+            except Exception:
+                log.exception("could not record request %s", call.request_id)
 
     def finish(self, call: Call) -> None:  # noqa: C901 - once per request on the hot path: one function, no extra calls
         verdict = call.verdict
