@@ -293,6 +293,12 @@ def tree_label(tree: Path) -> str:
     return f.read_text().strip() if f.exists() else tree.name
 
 
+def vs_name(benchmark: str, label: str) -> str:
+    """The result file's name for a run against a baseline tree: one file per baseline, so a check
+    against a newer commit leaves the older ones (cited in the READMEs) alone."""
+    return f"{benchmark}_vs_{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}"
+
+
 def litellm_available() -> str | None:
     """None when the pinned LiteLLM is installed, else why not."""
     exe = LITELLM_VENV / "bin" / "litellm"

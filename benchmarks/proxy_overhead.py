@@ -22,7 +22,7 @@ reference results.
 `--baseline-tree DIR` adds a target, modelcanary@baseline: the proxy run from another source tree
 (`git archive <commit> | tar -x -C DIR`, see `harness.proxy`) with the same config, in the same
 turns (the two trees swap places every other round), and reports current ÷ baseline for added p50
-at c=1 and max req/s, each to be within 5%; results in results/proxy_overhead_vs_baseline.json.
+at c=1 and max req/s, each to be within 5%; results in results/proxy_overhead_vs_<baseline>.json.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def run(quick: bool = False, with_litellm: bool = True, with_portkey: bool = Tru
                                   "node": _node_version() if "portkey" in runs else None,
                                   "skipped_because": portkey_why}},
             "baseline": baseline}
-    h.write_result("proxy_overhead" if baseline is None else "proxy_overhead_vs_baseline", data)
+    h.write_result("proxy_overhead" if baseline is None else h.vs_name("proxy_overhead", baseline["commit"]), data)
     return {"name": "proxy_overhead", "markdown": "\n".join(md), "data": data}
 
 
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(for a machine whose load moves during the run)")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="also run the proxy from this source tree (e.g. `git archive <commit> | tar -x -C DIR`) "
-                        "and report current ÷ baseline; results in proxy_overhead_vs_baseline.json")
+                        "and report current ÷ baseline; results in proxy_overhead_vs_<baseline>.json")
     args = p.parse_args(argv if argv is not None else sys.argv[1:])
     tree = args.baseline_tree.resolve() if args.baseline_tree else None
     print(run(args.quick, not args.no_litellm, not args.no_portkey, args.rounds, tree)["markdown"])

@@ -18,7 +18,7 @@ rate saturates a target (answers fall behind the schedule), higher rates are ski
 modelcanary@baseline: the proxy run from another source tree (`git archive <commit> | tar -x -C DIR`,
 see `harness.proxy`) with the same config, in the same turns as modelcanary (the two swap places
 every other round), and reports current ÷ baseline for added p99 at 500 req/s, to be within 5%;
-results in results/rate_sweep_vs_baseline.json.
+results in results/rate_sweep_vs_<baseline>.json.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def run(quick: bool = False, with_litellm: bool = True, rates: tuple[int, ...] =
             "added_p99_ms": {n: {str(k): added(n, k, "p99_ms") for k in rs} for n, rs in runs.items() if n != "direct"},
             "added_p50_ms": {n: {str(k): added(n, k, "p50_ms") for k in rs} for n, rs in runs.items() if n != "direct"},
             "checks": checks, "notes": notes, "baseline": baseline}
-    h.write_result("rate_sweep" if baseline is None else "rate_sweep_vs_baseline", data)
+    h.write_result("rate_sweep" if baseline is None else h.vs_name("rate_sweep", baseline["commit"]), data)
     return {"name": "rate_sweep", "markdown": "\n".join(md), "data": data}
 
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="rounds per rate and target (3; 1 in a quick run)")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="also run the proxy from this source tree (e.g. `git archive <commit> | tar -x -C DIR`) "
-                        "and report current ÷ baseline; results in rate_sweep_vs_baseline.json")
+                        "and report current ÷ baseline; results in rate_sweep_vs_<baseline>.json")
     args = p.parse_args(argv)
     rates = tuple(int(r) for r in args.rates.split(","))
     tree = args.baseline_tree.resolve() if args.baseline_tree else None
