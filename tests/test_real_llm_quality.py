@@ -31,13 +31,17 @@ N = 24
 
 def config(base_url: str) -> dict:
     return {
-        "providers": {"llama": {"base_url": base_url, "timeout_s": 120, "max_retries": 0}},
+        # one llama.cpp server answers one call at a time: a live call can queue behind the shadow,
+        # noise-floor and judge calls of the requests before it, longer on a loaded machine
+        "providers": {"llama": {"base_url": base_url, "timeout_s": 600, "max_retries": 0}},
         "models": {"stable-m": {"provider": "llama", "name": "smollm2"},
                    "candidate-m": {"provider": "llama", "name": "smollm2"},
                    # llama-cpp-python 0.3 refuses `response_format: json_schema`; its own form constrains
                    # the answer to the same schema (a model's params override the judge's request fields)
                    "judge-m": {"provider": "llama", "name": "smollm2",
-                               "params": {"response_format": {"type": "json_object", "schema": VERDICT_SCHEMA}}}},
+                               # max_tokens: a verdict is a sentence; it stops a runaway "reason" holding the server
+                               "params": {"response_format": {"type": "json_object", "schema": VERDICT_SCHEMA},
+                                          "max_tokens": 200}}},
         "routes": {ROUTE: {"stable": "stable-m", "candidate": "candidate-m",
                            "shadow": {"sample_rate": 1.0, "noise_floor": True, "stability": {"sample_rate": 0.0},
                                       "judge": {"model": "judge-m", "sample_rate": 0.25}},
@@ -64,7 +68,7 @@ def wait_for(check, timeout_s: float):
 
 def test_similarity_and_the_pairwise_judge_on_real_answers(llama_server, servers):
     proxy = servers.proxy(config(llama_server.base_url), env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
-    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=600)
     for i in range(N):
         r = client.chat.completions.create(model=ROUTE, max_tokens=40, temperature=0.7,
                                            messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
