@@ -37,8 +37,9 @@ $(LLAMA_STAMP): | $(STAMP)
 real-llm: $(LLAMA_STAMP)
 
 system-deps:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null && command -v hey >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus wrk hey >/dev/null; }
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null && command -v hey >/dev/null \
+	  && command -v tinyproxy >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus wrk hey tinyproxy >/dev/null; }
 
 # `make demo ARGS=--real-model` needs the real model; the default demo stays on the simulator.
 demo: $(STAMP) $(if $(findstring --real-model,$(ARGS)),real-llm)

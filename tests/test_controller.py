@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp import web
@@ -157,11 +159,13 @@ async def test_advisory_mode_recommends_only():
     assert any("tools" in r for r in final.recommendation.reasons)
 
 
-async def test_webhook_gets_a_post_on_phase_change():
+@asynccontextmanager
+async def webhook_receiver() -> AsyncIterator[tuple[str, list[dict], asyncio.Event]]:
+    """An HTTP server on a free port that takes webhook POSTs: (its URL, the bodies, set at the first)."""
     received: list[dict] = []
     got = asyncio.Event()
 
-    async def hook(request):
+    async def hook(request: web.Request) -> web.Response:
         received.append(await request.json())
         got.set()
         return web.json_response({"ok": True})
@@ -172,19 +176,29 @@ async def test_webhook_gets_a_post_on_phase_change():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        cfg = make_config(notify={"webhook_url": f"http://127.0.0.1:{port}/hook"})
-        bus, book = MemoryBus(), RolloutBook(cfg)
-        controller = Controller(cfg, bus, book)
-        assert controller.notify_url.endswith("/hook")
-        stop, task = await start(controller)
-        book.operate("bot", "rollback", by="operator", reason="drill")
-        await asyncio.wait_for(got.wait(), 5)
-        stop.set()
-        await task
+        yield f"http://127.0.0.1:{port}/hook", received, got
     finally:
         await runner.cleanup()
+
+
+async def webhook_after_rollback(url: str, got: asyncio.Event) -> None:
+    """A controller notifying `url` sees an operator roll route bot back; returns once `got` is set."""
+    cfg = make_config(notify={"webhook_url": url})
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    controller = Controller(cfg, bus, book)
+    assert controller.notify_url == url
+    stop, task = await start(controller)
+    book.operate("bot", "rollback", by="operator", reason="drill")
+    await asyncio.wait_for(got.wait(), 10)
+    stop.set()
+    await task
+
+
+async def test_webhook_gets_a_post_on_phase_change():
+    async with webhook_receiver() as (url, received, got):
+        await webhook_after_rollback(url, got)
     body = received[0]
     assert body["route"] == "bot" and body["from"] == "shadow" and body["to"] == "rolled_back"
     assert body["reasons"] == ["drill"] and "rolled_back" in body["text"]

@@ -62,7 +62,7 @@ class EndpointEmbedder:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, trust_env=True)  # HTTPS_PROXY, as providers
             self._own_session = True
         return self._session
 

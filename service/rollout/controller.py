@@ -348,7 +348,8 @@ class Controller:
             return
         try:
             if self._session is None or self._session.closed:
-                self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S))
+                self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S),
+                                                      trust_env=True)  # HTTPS_PROXY, as providers
             async with self._session.post(url, json=payload) as resp:
                 if resp.status >= 300:
                     log.warning("webhook %s answered %s", safe_url(url), resp.status)

@@ -6,11 +6,12 @@ Why not aiohttp's client: a proxied call paid ~100 µs more CPU in it than in th
 proxy's CPU per request. The upstream call is the hot path's only I/O, so it is kept this small:
 one write per request, the body as the parser hands it over, one timer per call.
 
-What it does: TLS (`https://`, the system's CAs), chunked and length- or close-delimited bodies,
-gzip/deflate bodies (decoded), a connect timeout, and either a deadline for the whole answer or,
-for streams, a limit on the gap between two reads. A stream that outruns its reader stops the
+What it does: TLS (`https://`, the system's CAs), an egress proxy from the environment
+(`HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY`: service/upstream/egress.py), chunked and length- or
+close-delimited bodies, gzip/deflate bodies (decoded), a connect timeout, and either a deadline for
+the whole answer or, for streams, a limit on the gap between two reads. A stream that outruns its reader stops the
 socket's reads until the reader catches up. Not done, since an LLM API needs none of it: redirects,
-proxies from the environment, HTTP/2, 1xx answers.
+HTTP/2, 1xx answers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+
+from service.upstream.egress import EgressProxy, TunnelRefused, egress_proxy, tunnel
 
 # An idle connection is dropped after this long; servers close theirs sooner or later (uvicorn: 5 s).
 KEEPALIVE_S = 30.0
@@ -54,6 +57,17 @@ class Origin:
         self._host_line = b"Host: " + (host if default_port else f"{host}:{self.port}").encode("idna") + b"\r\n"
         self._ssl = ssl.create_default_context() if url.scheme == "https" else None
         self._connect_timeout_s = connect_timeout_s
+        self._egress: EgressProxy | None = None
+        self._egress_problem: str | None = None
+        try:
+            self._egress = egress_proxy(url.scheme, self.host)
+        except ValueError as e:
+            self._egress_problem = str(e)  # every call fails with it: never a silent direct connection
+        self._target = ""  # what precedes the path in the request line: the origin, through an http:// proxy
+        if self._egress is not None and self._ssl is None:
+            self._target = f"http://{host.encode('idna').decode('ascii')}:{self.port}"
+            if self._egress.authorization:
+                self._host_line += f"Proxy-Authorization: {self._egress.authorization}\r\n".encode("latin-1")
         self._idle: deque[Connection] = deque()
         self._open: set[Connection] = set()
 
@@ -81,7 +95,7 @@ class Origin:
         self._idle.clear()
 
     def _head(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        lines = [f"{method} {self.base_path}{path} HTTP/1.1\r\n".encode("latin-1"), self._host_line]
+        lines = [f"{method} {self._target}{self.base_path}{path} HTTP/1.1\r\n".encode("latin-1"), self._host_line]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
                 raise ValueError(f"header {name!r} has a line break or a colon in its name or value")
@@ -100,15 +114,37 @@ class Origin:
         return None
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> Connection:
+        if self._egress_problem is not None:
+            raise HTTPFailure(False, f"could not connect: {self._egress_problem}")
+        egress = self._egress
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                _, conn = await loop.create_connection(
-                    lambda: Connection(self), self.host, self.port, ssl=self._ssl,
-                    server_hostname=self.host if self._ssl else None)
+                if egress is None:
+                    _, conn = await loop.create_connection(
+                        lambda: Connection(self), self.host, self.port, ssl=self._ssl,
+                        server_hostname=self.host if self._ssl else None)
+                elif self._ssl is None:
+                    _, conn = await loop.create_connection(lambda: Connection(self), egress.host, egress.port)
+                else:
+                    sock = await tunnel(loop, egress, self.host, self.port)
+                    try:
+                        _, conn = await loop.create_connection(lambda: Connection(self), sock=sock, ssl=self._ssl,
+                                                               server_hostname=self.host)
+                    except BaseException:
+                        sock.close()
+                        raise
         except TimeoutError:
-            raise HTTPFailure(True, f"no connection in {self._connect_timeout_s:g} s") from None
-        except (OSError, ssl.SSLError) as e:
-            raise HTTPFailure(False, f"could not connect: {type(e).__name__}") from None
+            via = f" through the egress proxy {egress.address}" if egress else ""
+            raise HTTPFailure(True, f"no connection{via} in {self._connect_timeout_s:g} s") from None
+        except TunnelRefused as e:
+            raise HTTPFailure(False, f"could not connect: {e}") from None
+        except ssl.SSLCertVerificationError as e:
+            raise HTTPFailure(False, f"could not connect: TLS certificate not accepted ({e.verify_message})") from None
+        except ssl.SSLError as e:
+            raise HTTPFailure(False, f"could not connect: TLS handshake failed ({e.reason or type(e).__name__})") from None
+        except OSError as e:
+            via = f" to the egress proxy {egress.address}" if egress else ""
+            raise HTTPFailure(False, f"could not connect{via}: {type(e).__name__}") from None
         self._open.add(conn)
         return conn
 

@@ -12,6 +12,9 @@ Modes, switchable at runtime (`set_mode`), applied to new and to open connection
 - ``reply``     answer each new connection's first request with the raw bytes ``reply`` (a whole HTTP
                 response, malformed on purpose) and close: an upstream that returns garbage
 
+With `tls` (a server-side `ssl.SSLContext`) it terminates TLS, as a provider's load balancer does:
+clients speak HTTPS to it, and it forwards plain bytes.
+
 It runs its own event loop on a thread, so sync tests drive it directly. It counts connections
 and HTTP requests sent to the target (request lines seen client → target), which is how a test
 counts upstream calls without trusting the proxy's own numbers.
@@ -26,6 +29,7 @@ import asyncio
 import os
 import re
 import socket
+import ssl
 import struct
 import subprocess
 import threading
@@ -49,9 +53,10 @@ class _Conn:
 
 class FaultProxy:
     def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1", port: int = 0,
-                 capture_bytes: int = 0):
+                 capture_bytes: int = 0, tls: ssl.SSLContext | None = None):
         self.target = (target_host, target_port)
         self.host = host
+        self.tls = tls
         self._want_port = port
         self.port = 0
         self.mode = "pass"
@@ -75,7 +80,7 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> FaultProxy:
         ready = threading.Event()
@@ -85,7 +90,7 @@ class FaultProxy:
             self._loop = loop
             asyncio.set_event_loop(loop)
             self._server = loop.run_until_complete(
-                asyncio.start_server(self._accept, self.host, self._want_port, reuse_address=True))
+                asyncio.start_server(self._accept, self.host, self._want_port, reuse_address=True, ssl=self.tls))
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
             loop.run_forever()
