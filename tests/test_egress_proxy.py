@@ -11,16 +11,15 @@ The egress proxy is tinyproxy (Debian), a real forward proxy; its log lists the 
 from __future__ import annotations
 
 import asyncio
-import ssl
 
 import openai
 import pytest
 import trustme
 
 from collectors.similarity.remote import EndpointEmbedder
-from tests.faults.fault_proxy import FaultProxy
 from tests.fixtures.servers import free_port, metric_value, scrape, sim_config, start_proxy, start_simulator
 from tests.fixtures.tinyproxy import Tinyproxy
+from tests.fixtures.tls import ca_file, tls_front
 from tests.test_controller import webhook_after_rollback, webhook_receiver
 
 pytestmark = [pytest.mark.requires("tinyproxy"), pytest.mark.timeout(180)]
@@ -65,23 +64,19 @@ def sim(tmp_path):
 
 
 @pytest.fixture
-def tls_front(sim, tmp_path):
+def https_sim(sim, tmp_path):
     """The simulator behind TLS, certified by a CA of the test's own: (front, path of the CA's PEM)."""
     ca = trustme.CA()
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(ctx)
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
-    front = FaultProxy("127.0.0.1", sim.port, tls=ctx).start()
-    yield front, str(ca_file)
+    front = tls_front(ca, sim.port, "127.0.0.1")
+    yield front, ca_file(ca, tmp_path)
     front.stop()
 
 
-def test_an_https_provider_goes_through_one_connect_tunnel_with_the_proxys_credentials(tls_front, tmp_path):
-    front, ca_file = tls_front
+def test_an_https_provider_goes_through_one_connect_tunnel_with_the_proxys_credentials(https_sim, tmp_path):
+    front, cert_file = https_sim
     egress = Tinyproxy(tmp_path, auth=("alice", PASSWORD))
     proxy = start_proxy(tmp_path, _config(front.url),
-                        env=_env(https_proxy=egress.url(f"alice:{PASSWORD}"), SSL_CERT_FILE=ca_file))
+                        env=_env(https_proxy=egress.url(f"alice:{PASSWORD}"), SSL_CERT_FILE=cert_file))
     try:
         _ask(proxy, n=3)
         # one tunnel, one TLS connection inside it, kept alive for all four requests
@@ -117,8 +112,8 @@ def test_no_proxy_hosts_go_direct(sim, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["wrong password", "proxy down", "https:// proxy URL"])
-def test_an_egress_failure_is_a_provider_connection_error_naming_the_proxy(tls_front, tmp_path, case):
-    front, ca_file = tls_front
+def test_an_egress_failure_is_a_provider_connection_error_naming_the_proxy(https_sim, tmp_path, case):
+    front, cert_file = https_sim
     egress = Tinyproxy(tmp_path, auth=("alice", PASSWORD + "-right")) if case == "wrong password" else None
     if egress is not None:
         url = egress.url(f"alice:{PASSWORD}")
@@ -128,11 +123,11 @@ def test_an_egress_failure_is_a_provider_connection_error_naming_the_proxy(tls_f
     elif case == "proxy down":
         port = free_port()
         url = f"http://alice:{PASSWORD}@127.0.0.1:{port}"
-        expected = f"could not connect to the egress proxy 127.0.0.1:{port}: ConnectionRefusedError"
+        expected = f"could not connect through the egress proxy 127.0.0.1:{port}: ConnectionRefusedError"
     else:
         url = f"https://alice:{PASSWORD}@127.0.0.1:{free_port()}"
         expected = "could not connect: HTTPS_PROXY must be an http:// proxy URL (got a https:// one)"
-    proxy = start_proxy(tmp_path, _config(front.url, max_retries=0), env=_env(https_proxy=url, SSL_CERT_FILE=ca_file))
+    proxy = start_proxy(tmp_path, _config(front.url, max_retries=0), env=_env(https_proxy=url, SSL_CERT_FILE=cert_file))
     try:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=30)
         with pytest.raises(openai.APIStatusError) as caught:

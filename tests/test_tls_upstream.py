@@ -10,15 +10,12 @@ load balancer does. It sits in front of the simulator and in front of llama.cpp'
 
 from __future__ import annotations
 
-import ssl
-from pathlib import Path
-
 import openai
 import pytest
 import trustme
 
-from tests.faults.fault_proxy import FaultProxy
 from tests.fixtures.servers import metric_value, scrape, sim_config, start_proxy, start_simulator
+from tests.fixtures.tls import ca_file, tls_front
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,18 +25,6 @@ ROUTE = "support-bot"
 @pytest.fixture(scope="module")
 def ca() -> trustme.CA:
     return trustme.CA(organization_name="modelcanary test CA")
-
-
-def _ca_file(ca: trustme.CA, tmp: Path) -> str:
-    path = tmp / "ca.pem"
-    ca.cert_pem.write_to_path(str(path))
-    return str(path)
-
-
-def _tls_front(ca: trustme.CA, target_port: int, *names: str) -> FaultProxy:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(*names).configure_cert(ctx)
-    return FaultProxy("127.0.0.1", target_port, tls=ctx).start()
 
 
 def _config(base_url: str, upstream_model: str, timeout_s: float = 10, max_retries: int = 2) -> dict:
@@ -69,8 +54,8 @@ def _streamed(client: openai.OpenAI, model: str, **extra) -> tuple[str, object]:
 
 def test_an_https_provider_is_verified_kept_alive_and_streamed(ca, tmp_path):
     sim = start_simulator(tmp_path, sim_config())
-    front = _tls_front(ca, sim.port, "127.0.0.1", "localhost")
-    proxy = start_proxy(tmp_path, _config(front.url, "good-model"), env={"SSL_CERT_FILE": _ca_file(ca, tmp_path)})
+    front = tls_front(ca, sim.port, "127.0.0.1", "localhost")
+    proxy = start_proxy(tmp_path, _config(front.url, "good-model"), env={"SSL_CERT_FILE": ca_file(ca, tmp_path)})
     try:
         client = _client(proxy)
         for i in range(5):
@@ -98,12 +83,12 @@ def test_a_tls_failure_is_a_provider_connection_error_that_says_why(ca, tmp_path
         base_url = sim.url.replace("http://", "https://")
         expected = "TLS handshake failed (WRONG_VERSION_NUMBER)"
     else:
-        front = _tls_front(ca, sim.port, "localhost" if case == "certificate for another host" else "127.0.0.1")
+        front = tls_front(ca, sim.port, "localhost" if case == "certificate for another host" else "127.0.0.1")
         base_url = front.url
         if case == "untrusted CA":
             expected = "TLS certificate not accepted (unable to get local issuer certificate)"
         else:
-            env["SSL_CERT_FILE"] = _ca_file(ca, tmp_path)
+            env["SSL_CERT_FILE"] = ca_file(ca, tmp_path)
             expected = "TLS certificate not accepted (IP address mismatch, certificate is not valid for '127.0.0.1'"
     proxy = start_proxy(tmp_path, _config(base_url, "good-model", max_retries=0), env=env)
     try:
@@ -125,9 +110,9 @@ def test_a_tls_failure_is_a_provider_connection_error_that_says_why(ca, tmp_path
 
 
 def test_llama_server_behind_tls_answers_and_streams_through_the_proxy(llama_server, ca, tmp_path):
-    front = _tls_front(ca, llama_server.port, "127.0.0.1")
+    front = tls_front(ca, llama_server.port, "127.0.0.1")
     proxy = start_proxy(tmp_path, _config(front.url, llama_server.chat_model, timeout_s=300),
-                        env={"SSL_CERT_FILE": _ca_file(ca, tmp_path)})
+                        env={"SSL_CERT_FILE": ca_file(ca, tmp_path)})
     try:
         client = _client(proxy)
         reply = client.chat.completions.create(model=ROUTE, messages=[{"role": "user", "content": "Name a colour."}],

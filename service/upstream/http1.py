@@ -9,9 +9,9 @@ one write per request, the body as the parser hands it over, one timer per call.
 What it does: TLS (`https://`, the system's CAs), an egress proxy from the environment
 (`HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY`: service/upstream/egress.py), chunked and length- or
 close-delimited bodies, gzip/deflate bodies (decoded), a connect timeout, and either a deadline for
-the whole answer or, for streams, a limit on the gap between two reads. A stream that outruns its reader stops the
-socket's reads until the reader catches up. Not done, since an LLM API needs none of it: redirects,
-HTTP/2, 1xx answers.
+the whole answer or, for streams, a limit on the gap between two reads. A stream that outruns its
+reader stops the socket's reads until the reader catches up. Not done, since an LLM API needs none
+of it: redirects, HTTP/2, 1xx answers.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class Origin:
         except ssl.SSLError as e:
             raise HTTPFailure(False, f"could not connect: TLS handshake failed ({e.reason or type(e).__name__})") from None
         except OSError as e:
-            via = f" to the egress proxy {egress.address}" if egress else ""
+            via = f" through the egress proxy {egress.address}" if egress else ""
             raise HTTPFailure(False, f"could not connect{via}: {type(e).__name__}") from None
         self._open.add(conn)
         return conn
