@@ -333,9 +333,14 @@ def test_bad_requests_name_the_field_and_each_api_serves_its_own_routes(stack):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.post("/v1/messages", body={"model": "claude-plain", "messages": []}, cast_to=object)
     assert "max_tokens" in str(e.value)
+    # in Anthropic's own error shape, the proxy's code and param beside it
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["param"] == "max_tokens"
     with pytest.raises(anthropic.NotFoundError) as e:
         claude.messages.create(model="no-such-route", max_tokens=10, messages=[{"role": "user", "content": "hi"}])
     assert "no-such-route" in str(e.value)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    assert e.value.body["error"]["code"] == "model_not_found"
     text = scrape(proxy.url)
     assert metric_value(text, "modelcanary_requests_total", route="claude-plain", outcome="failed") == 0
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from service.config import Checks, ConfigError, ModelConfig, parse_config
-from service.proxy.formats import MESSAGES, RESPONSES, format_of
+from service.proxy.formats import CHAT, MESSAGES, RESPONSES, format_of
 from service.proxy.outcome import CAUSE_BLAME
 from service.proxy.segments import classify_segment
 
@@ -99,8 +99,8 @@ def test_responses_stream_reassembly_ends_at_the_terminal_event():
     assert not cut.ended and cut.cause == "bad_response" and "response.completed" in cut.problem
     failed = RESPONSES.reassemble(started + event("error", code="rate_limit_exceeded", message="slow down"))
     assert failed.cause == "rate_limited" and failed.problem == "slow down"
-    assert any(m in event("response.output_text.delta", delta="x") for m in RESPONSES.first_token)
-    assert not any(m in event("response.created", response={}) for m in RESPONSES.first_token)
+    assert RESPONSES.has_output(event("response.output_text.delta", delta="x"))
+    assert not RESPONSES.has_output(event("response.created", response={}))
     escaped = event("response.output_text.delta", delta='the "response.completed" event')
     assert not any(m in escaped for m in RESPONSES.end_of_stream)
 
@@ -180,7 +180,7 @@ def test_messages_stream_reassembly_and_usage_with_cache_tokens():
     assert not cut.ended and cut.cause == "bad_response"
     overloaded = MESSAGES.reassemble(start + event("error", error={"type": "overloaded_error", "message": "Overloaded"}))
     assert overloaded.cause == "provider_5xx"
-    assert any(m in tool for m in MESSAGES.first_token) and not any(m in start for m in MESSAGES.first_token)
+    assert MESSAGES.has_output(tool) and not MESSAGES.has_output(start)
 
 
 def test_format_of_a_recorded_request():
@@ -244,3 +244,17 @@ def test_a_cap_the_client_set_is_a_completed_answer_in_every_format():
     message = {"type": "message", "content": [{"type": "text", "text": "a b c"}], "stop_reason": "max_tokens"}
     capped = MESSAGES.classify(MESSAGES.view({"max_tokens": 3, "messages": []}), message, CHECKS)
     assert (capped.outcome, capped.cause, capped.blame) == ("completed", "max_tokens", "client")
+
+
+def test_chat_time_to_first_token_waits_for_output():
+    """Keep-alive comments and the role-only first chunk are not the first token."""
+    def chunk(delta: dict, sep: tuple[str, str] = (",", ":")) -> bytes:
+        body = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+        return b"data: " + json.dumps(body, separators=sep).encode() + b"\n\n"
+
+    assert not CHAT.has_output(b": ping\n\n")
+    assert not CHAT.has_output(chunk({"role": "assistant", "content": ""}))
+    assert CHAT.has_output(chunk({"content": "Hel"}))
+    assert CHAT.has_output(chunk({"content": "Hel"}, sep=(", ", ": ")))  # llama-cpp-python's spacing
+    assert CHAT.has_output(chunk({"tool_calls": [{"index": 0, "function": {"name": "get_weather"}}]}))
+    assert CHAT.has_output(chunk({"refusal": "no"}))

@@ -297,6 +297,33 @@ def test_admin_auth_and_actions(stack):
     assert TOKEN not in proxy.output()
 
 
+def test_a_finished_rollout_is_no_longer_shadowed(servers):
+    """Rolled back (or promoted), a route has no candidate left to judge: its calls are not shadowed,
+    so they spend no shadow budget on a verdict that is in."""
+    sim = servers.simulator()
+    cfg = proxy_config(sim.url)
+    cfg["routes"]["support-bot"]["shadow"] = {"sample_rate": 1.0}
+    proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
+
+    def ask(n: int) -> tuple[float, float]:
+        """(requests recorded, traffic events published) once n more calls are recorded"""
+        before = metric_value(scrape(proxy.url), "modelcanary_requests_total", route="support-bot")
+        for i in range(n):
+            client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": f"hi {i}"}])
+        deadline = time.monotonic() + 5
+        while True:
+            text = scrape(proxy.url)
+            done = metric_value(text, "modelcanary_requests_total", route="support-bot")
+            if done >= before + n or time.monotonic() > deadline:
+                return done, metric_value(text, "modelcanary_events_published_total", topic="traffic")
+
+    _, shadowed = ask(3)
+    assert shadowed == 3  # in shadow: every call sampled
+    assert admin(proxy, "POST", "/admin/rollouts/support-bot/rollback")[1]["phase"] == "rolled_back"
+    assert ask(5)[1] == shadowed
+
+
 def test_admin_refuses_everything_without_configured_token(servers):
     sim = servers.simulator()
     proxy = servers.proxy(proxy_config(sim.url), env={"MODELCANARY_ADMIN_TOKEN": ""})

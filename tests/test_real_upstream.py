@@ -277,3 +277,23 @@ def test_streams_the_server_cuts_short_are_its_failure(llama_server_factory, kaf
     cut = [s for s in seen if s.expected[1] == "bad_response"]
     assert cut, "no stream was interrupted: the scenario did not happen"
     assert all(s.expected == ("failed", "bad_response", "provider", 200) for s in cut)
+
+
+def test_passed_through_endpoint_gets_the_same_error_rules(llama_server, servers):
+    """`/v1/completions` is passed through, but an upstream error is read as on chat: llama.cpp's 500
+    for a request it cannot validate is the client's `bad_request`, a 400 without the server's
+    traceback in it."""
+    from tests.fixtures.servers import metric_value, scrape
+
+    proxy = servers.proxy({"providers": {"llama": {"base_url": llama_server.base_url, "max_retries": 0}},
+                           "models": {"small": {"provider": "llama", "name": llama_server.chat_model}},
+                           "routes": {"chat": {"stable": "small"}}})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="chat", prompt=5, max_tokens=3)  # type: ignore[arg-type]
+    assert e.value.code == "bad_request" and "File \"" not in e.value.message, e.value.message
+    answer = client.completions.with_raw_response.create(model="chat", prompt="Say hi.", max_tokens=3)
+    assert answer.status_code == 200 and answer.parse().choices[0].text is not None
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_failures_total", route="chat", cause="bad_request", blame="client") == 1
+    assert metric_value(text, "modelcanary_failures_total", route="chat", cause="provider_5xx") == 0

@@ -169,7 +169,7 @@ def test_redaction_builtins_are_selected_explicitly():
     cfg["routes"]["both"] = {"stable": "stable-m", "shadow": {"redact": ["builtin:email", "builtin:phone"]}}
     cfg["routes"]["custom"] = {"stable": "stable-m", "shadow": {"redact": [r"acct-\d{6}"]}}
     config = parse_config(cfg)
-    rec = Recorder(config, MemoryBus(), ShadowSampler(config))
+    rec = Recorder(config, MemoryBus(), ShadowSampler(config), lambda route, segment: True)
     text = "mail ann.lee+x@example.co.uk or call +1 (415) 555-0100, account acct-123456"
     body = {"messages": [{"role": "user", "content": text}], "nested": {"list": [text]}}
     both = json.dumps(rec._redacted("both", body))

@@ -34,6 +34,7 @@ from service.proxy.fast_path import CHAT_PATH, ProxyApp
 from service.proxy.formats import MESSAGES, RESPONSES
 from service.proxy.owners import KAFKA_WAIT_S, ResponseOwners, follow_outcomes
 from service.proxy.recorder import Recorder
+from service.proxy.routing import judging
 from service.proxy.sampler import ShadowSampler
 from service.records import RolloutState
 from service.rollout.book import RolloutBook
@@ -116,7 +117,8 @@ class Runtime:
         self.providers = make_providers(config)
         self.tracing = Tracing(config.tracing)
         self.sampler = ShadowSampler(config)
-        self.recorder = Recorder(config, self.bus, self.sampler)
+        self.recorder = Recorder(config, self.bus, self.sampler,
+                                 lambda route, segment: judging(self.book.states.get(route), segment))
         self.proxy = Proxy(config, self.book, self.providers, self.recorder, self.tracing)
         self.owners = ResponseOwners()
         # memory mode: the recent sampled traffic, for `modelcanary capture` (GET /admin/traffic)

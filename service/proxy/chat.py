@@ -17,13 +17,13 @@ from starlette.types import Scope
 
 from service import metrics
 from service.config import Checks, Config
-from service.errors import openai_error
-from service.proxy.outcome import COMPLETED, Verdict, classify_chat, classify_other, failed
+from service.errors import ErrorResponse, openai_error
+from service.proxy.outcome import COMPLETED, Verdict, classify_chat, failed
 from service.proxy.recorder import Call, Recorder
 from service.proxy.retries import RetryDetector
 from service.proxy.routing import pick
 from service.proxy.segments import classify_segment
-from service.proxy.sse import reassemble
+from service.proxy.sse import chat_has_output, reassemble
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.rollout.book import RolloutBook
 from service.upstream.base import Provider, UpstreamReply
@@ -46,8 +46,8 @@ class BadRequest(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> Response:
-        return openai_error(self.status, self.message, self.code, self.param)
+    def response(self, shape: ErrorResponse = openai_error) -> Response:
+        return shape(self.status, self.message, self.code, self.param)
 
 
 class Proxy:
@@ -192,9 +192,13 @@ class Proxy:
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:
-            return StreamRelay(call, sent, partial(self._classify_stream, call, judge), self._done).response(
-                self._headers(call) | SSE_HEADERS)
-        return self.respond(request, call, self._plain(call, sent, judge))
+            return StreamRelay(call, sent, partial(self._classify_stream, call, judge), self._done,
+                               has_output=chat_has_output).response(self._headers(call, sent) | SSE_HEADERS)
+        try:
+            answer = self._plain(call, sent, judge)
+        except Exception:
+            answer = self.unjudged(call)
+        return self.respond(request, call, answer)
 
     # ---- pieces every proxied endpoint shares ------------------------------------------------
     def _start(self, call: Call) -> None:
@@ -203,9 +207,10 @@ class Proxy:
         self._in_flight_gauge(call.route).inc()
 
     async def forward(self, call: Call, provider: Provider, path: str, data: bytes, headers: dict[str, str],
-                      method: str = "POST", deadline_s: float | None = None) -> UpstreamReply | Response:
+                      method: str = "POST", deadline_s: float | None = None,
+                      error: ErrorResponse = openai_error) -> UpstreamReply | Response:
         """Send a started call upstream with the retry rules. Returns the upstream's reply, or the error
-        response to send (the call's end is then arranged)."""
+        response to send, in the `error` shape (the call's end is then arranged)."""
         try:
             attempt = await send_with_retries(
                 provider, path, data, headers, call.stream, self.budgets[call.route], method=method,
@@ -219,13 +224,13 @@ class Proxy:
             call.verdict = failed("proxy_error")
             call.status = 500
             self._done(call)
-            return openai_error(500, "internal proxy error", code="proxy_error", headers=self._headers(call))
+            return error(500, "internal proxy error", code="proxy_error", headers=self._headers(call))
         call.upstream_retries = attempt.retries
         if attempt.failure is not None:
             call.verdict = failed(attempt.failure.cause, attempt.failure.detail)
             call.status = 504 if attempt.failure.cause == "timeout" else 502
-            return self._after_send(call, openai_error(call.status, f"upstream {attempt.failure.detail}",
-                                                       code=attempt.failure.cause, headers=self._headers(call)))
+            return self._after_send(call, error(call.status, f"upstream {attempt.failure.detail}",
+                                                code=attempt.failure.cause, headers=self._headers(call)))
         assert attempt.reply is not None
         call.status = attempt.reply.status
         return attempt.reply
@@ -239,10 +244,7 @@ class Proxy:
         return self._after_send(call, response)
 
     def _plain(self, call: Call, reply: UpstreamReply, judge: Callable[[dict], Verdict]) -> Response:
-        headers = self._headers(call)
-        for k in ("retry-after",):
-            if k in reply.headers:
-                headers[k] = reply.headers[k]
+        headers = self._headers(call, reply)
         if 200 <= reply.status < 300:
             try:
                 data = json.loads(reply.body)
@@ -286,9 +288,9 @@ class Proxy:
         passed-through endpoint, judged by transport and status only)."""
         if judge is None:
             return COMPLETED
-        response, saw_done, problem = reassemble(raw)
+        response, _, problem, cause = reassemble(raw)
         if problem is not None or response is None:
-            return failed("bad_response", problem)
+            return failed(cause, problem)
         call.response = response
         finish = response["choices"][0].get("finish_reason")
         call.finish_reasons = [finish] if finish else []
@@ -308,9 +310,19 @@ class Proxy:
             call.span.retry(call.upstream_retries + 1, cause, t0, t1)
         call.upstream_retries += 1
 
-    def _headers(self, call: Call) -> dict[str, str]:
-        return {"x-request-id": call.request_id, "x-modelcanary-route": call.route,
-                "x-modelcanary-model": call.model_key, "x-modelcanary-role": call.role}
+    def _headers(self, call: Call, reply: UpstreamReply | None = None) -> dict[str, str]:
+        """The role headers, and the upstream answer's headers a client acts on (`passed_headers`)."""
+        own = {"x-request-id": call.request_id, "x-modelcanary-route": call.route,
+               "x-modelcanary-model": call.model_key, "x-modelcanary-role": call.role}
+        return own if reply is None else passed_headers(reply.headers) | own
+
+    def unjudged(self, call: Call, error: ErrorResponse = openai_error) -> Response:
+        """An answer the proxy failed to classify (a bug of ours): the call ends `proxy_error`, recorded
+        like any other, and the client gets the 500 that says so. Call it from an `except` block."""
+        log.exception("proxy error while classifying the answer to request %s", call.request_id)
+        call.verdict = failed("proxy_error", "the answer could not be classified")
+        call.status = 500
+        return error(500, "internal proxy error", code="proxy_error", headers=self._headers(call))
 
     def _after_send(self, call: Call, response: Response) -> Response:
         # Starlette awaits `background()` once the response is sent; a tiny awaitable callable is
@@ -366,10 +378,19 @@ class Proxy:
             return sent
         if call.stream and sent.status == 200:
             return StreamRelay(call, sent, partial(self._classify_stream, call, None), self._done).response(
-                self._headers(call) | SSE_HEADERS, media_type=sent.headers.get("content-type", "text/event-stream"))
-        call.verdict = classify_other(sent.status)
-        return self.respond(request, call, Response(sent.body, status_code=sent.status, headers=self._headers(call),
-                                                    media_type=sent.headers.get("content-type", "application/json")))
+                self._headers(call, sent) | SSE_HEADERS, media_type=sent.headers.get("content-type", "text/event-stream"))
+        return self.respond(request, call, self._passed_through(call, sent))
+
+    def _passed_through(self, call: Call, reply: UpstreamReply) -> Response:
+        """A passed-through endpoint's whole answer, judged by its status (an error's by its body too)."""
+        headers = self._headers(call, reply)
+        if not 200 <= reply.status < 300:
+            return self._upstream_error(call, reply, headers)
+        call.verdict = COMPLETED
+        if "content-disposition" in reply.headers:  # a file download
+            headers["content-disposition"] = reply.headers["content-disposition"]
+        return Response(reply.body, status_code=reply.status, headers=headers,
+                        media_type=reply.headers.get("content-type", "application/json"))
 
 
 _DEFAULT_CHECKS = Checks()
@@ -386,6 +407,22 @@ class _AfterSend:
 
     async def __call__(self) -> None:
         self.done(self.call)
+
+
+# Upstream answer headers passed to the client: rate limits, retry hints (`x-should-retry` decides
+# whether the openai SDKs retry) and the provider's own request id (as `x-upstream-request-id`: the
+# proxy's `x-request-id` names its records). Not the rest: cookies, `alt-svc` and the like are the
+# provider's host's, not the proxy's.
+PASSED_HEADERS = frozenset({"retry-after", "retry-after-ms", "x-should-retry", "request-id", "openai-processing-ms",
+                            "openai-organization", "openai-project", "openai-version"})
+PASSED_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
+
+
+def passed_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k in PASSED_HEADERS or k.startswith(PASSED_PREFIXES)}
+    if "x-request-id" in headers:
+        out["x-upstream-request-id"] = headers["x-request-id"]
+    return out
 
 
 def _header_map(scope: Scope) -> dict[str, str]:

@@ -19,7 +19,6 @@ from functools import partial
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from service.errors import openai_error
 from service.proxy.chat import BadRequest, Proxy, _header_map, _json_or_none
 from service.proxy.formats import ApiFormat
 from service.proxy.outcome import COMPLETED, Verdict, failed
@@ -47,7 +46,7 @@ class FormatEndpoint:
         started = time.perf_counter()
         request_id = os.urandom(12).hex()
         if proxy.draining:
-            return openai_error(503, "the proxy is shutting down; retry on another replica", code="draining")
+            return fmt.error_response(503, "the proxy is shutting down; retry on another replica", code="draining")
         headers = _header_map(request.scope)
         if "authorization" not in headers and "x-api-key" in headers:  # how Anthropic clients send their key
             headers["authorization"] = "Bearer " + headers["x-api-key"]
@@ -74,7 +73,7 @@ class FormatEndpoint:
                                  f"{ENDPOINT_OF_API[api]} (the proxy does not translate between formats)",
                                  param="model")
         except BadRequest as e:
-            return e.response()
+            return e.response(fmt.error_response)
         except ClientDisconnect:
             return Response(status_code=499)
         if route is None:
@@ -107,14 +106,18 @@ class FormatEndpoint:
 
         proxy._start(call)
         sent = await proxy.forward(call, provider, fmt.path, out, up_headers,
-                                   deadline_s=proxy.config.providers[model.provider].timeout_s)
+                                   deadline_s=proxy.config.providers[model.provider].timeout_s, error=fmt.error_response)
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:
             relay = StreamRelay(call, sent, partial(self._classify_stream, call, view), proxy._done,
-                                is_over=self._is_over, has_output=self._has_output, error_event=fmt.stream_error)
-            return relay.response(proxy._headers(call) | SSE_HEADERS)
-        return proxy.respond(request, call, self._plain(call, sent, view))
+                                is_over=self._is_over, has_output=fmt.has_output, error_event=fmt.stream_error)
+            return relay.response(proxy._headers(call, sent) | SSE_HEADERS)
+        try:
+            answer = self._plain(call, sent, view)
+        except Exception:
+            answer = proxy.unjudged(call, fmt.error_response)
+        return proxy.respond(request, call, answer)
 
     async def _pick(self, name: str, route: str | None, body: dict, session_key: str | None,
                     stateful: str | None, segment: str) -> tuple[str, Role]:
@@ -136,27 +139,24 @@ class FormatEndpoint:
         return owner, "stable" if owner == rc.stable else "canary"
 
     def _plain(self, call: Call, reply: UpstreamReply, view: dict) -> Response:
-        proxy = self.proxy
-        headers = proxy._headers(call)
-        if "retry-after" in reply.headers:
-            headers["retry-after"] = reply.headers["retry-after"]
+        proxy, error = self.proxy, self.fmt.error_response
+        headers = proxy._headers(call, reply)
         parsed = _json_or_none(reply.body)
         if 200 <= reply.status < 300:
             if parsed is None:
                 call.verdict = failed("bad_response", "malformed JSON from upstream")
                 call.status = 502
-                return openai_error(502, "upstream returned a malformed response", code="bad_response", headers=headers)
+                return error(502, "upstream returned a malformed response", code="bad_response", headers=headers)
             call.verdict = self._answered(call, parsed, view)
             if call.verdict.cause == "bad_response":
                 call.status = 502
-                return openai_error(502, f"upstream answer is not a {self.fmt.name} response: {call.verdict.detail}",
-                                    code="bad_response", headers=headers)
+                return error(502, f"upstream answer is not a {self.fmt.name} response: {call.verdict.detail}",
+                             code="bad_response", headers=headers)
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
         call.verdict = failed(self.fmt.error_cause(reply.status, parsed))
         if parsed is not None and isinstance(parsed.get("error"), dict):  # the upstream's own error, in its shape
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
-        return openai_error(reply.status, f"upstream answered HTTP {reply.status}", code=call.verdict.cause,
-                            headers=headers)
+        return error(reply.status, f"upstream answered HTTP {reply.status}", code=call.verdict.cause, headers=headers)
 
     def _answered(self, call: Call, response: dict, view: dict) -> Verdict:
         """Classify an answer and note its usage; a stored answer's id is remembered right away, before
@@ -172,10 +172,6 @@ class FormatEndpoint:
             chat = fmt.chat_view(response) or {}
             call.finish_reasons = [c["finish_reason"] for c in chat.get("choices") or () if c.get("finish_reason")]
         return fmt.classify(view, response, self.proxy._checks(call))
-
-    def _has_output(self, events: bytes) -> bool:
-        """Whether events carry output (the first one is the time to first token)."""
-        return any(m in events for m in self.fmt.first_token)
 
     def _is_over(self, events: bytes) -> bool:
         """Whether events hold the stream's terminal event: the answer is whole, whatever follows."""

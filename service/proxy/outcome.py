@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.config import Checks
-from service.proxy.segments import wants_json
+from service.proxy.segments import content_text, wants_json
 from service.proxy.verifiers import check_json, check_tool_calls, requested_schema
 from service.records import Blame, Outcome
-from service.upstream.errors import error_cause
 from service.upstream.model_settings import requested_cap
 
 CAUSE_BLAME: dict[str, Blame] = {
@@ -67,6 +66,10 @@ def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:  # 
         return failed("bad_response", "choice without a message")
     finish = choice.get("finish_reason")
     content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        if not isinstance(content, list):
+            return failed("bad_response", "message content is neither text nor a list of parts")
+        content = content_text(content)
     tool_calls = message.get("tool_calls") or []
     if finish == "content_filter":
         return failed("content_filtered")
@@ -97,10 +100,3 @@ def _reached(response: dict, cap: int) -> bool:
     usage = response.get("usage")
     used = usage.get("completion_tokens") if isinstance(usage, dict) else None
     return not isinstance(used, int) or used >= cap
-
-
-def classify_other(status: int) -> Verdict:
-    """Verdict for pass-through endpoints: by status only."""
-    if 200 <= status < 300:
-        return COMPLETED
-    return failed(error_cause(status, None))

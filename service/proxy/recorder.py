@@ -7,6 +7,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -14,11 +15,10 @@ from service import metrics
 from service.bus.base import EventBus
 from service.config import Config, redaction_patterns
 from service.feedback import SESSION, Served, ServedMemory
-from service.proxy.formats.base import Usage
+from service.proxy.formats.base import Usage, chat_output_chars, estimated_usage, token_count
 from service.proxy.outcome import Verdict
 from service.proxy.routing import session_hash
 from service.proxy.sampler import ShadowSampler
-from service.proxy.segments import estimate_tokens, message_chars
 from service.records import OutcomeEvent, PrimaryResult, Role, TrafficEvent
 
 if TYPE_CHECKING:
@@ -68,27 +68,26 @@ class Call:
 
 
 def usage_tokens(call: Call) -> tuple[int, int]:
-    usage = (call.response or {}).get("usage") if call.response else None
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        return usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
-    if call.request is None:
+    """(input, output) tokens of an answered call: its usage, else estimated from the text. None for a
+    call without an answer: an upstream that refused it (429, 5xx) or never answered bills none that
+    the proxy could know of."""
+    response = call.response
+    if response is None:
         return 0, 0
-    messages = call.request.get("messages")
-    input_tokens = estimate_tokens(message_chars(messages)) if isinstance(messages, list) else 0
-    output_chars = 0
-    for choice in (call.response or {}).get("choices") or ():
-        message = choice.get("message") or {}
-        output_chars += len(message.get("content") or "")
-        for tc in message.get("tool_calls") or ():
-            output_chars += len((tc.get("function") or {}).get("arguments") or "")
-    return input_tokens, estimate_tokens(output_chars)
+    usage = response.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
+    estimated = estimated_usage(call.request or {}, chat_output_chars(response))
+    return estimated.input, estimated.output
 
 
 class Recorder:
-    def __init__(self, config: Config, bus: EventBus, sampler: ShadowSampler):
+    def __init__(self, config: Config, bus: EventBus, sampler: ShadowSampler, judging: Callable[[str, str], bool]):
+        """`judging(route, segment)`: whether a candidate is still judged there (a call is shadowed only then)."""
         self.config = config
         self.bus = bus
         self.sampler = sampler
+        self._judging = judging
         self.config_version = config.version()
         self._served = ServedMemory(FEEDBACK_MEMORY)
         self._redact = self._compile_redactions(config)
@@ -174,7 +173,8 @@ class Recorder:
                              cause=verdict.cause, prompt=(call.request or {}).get("messages"),
                              completion=(call.response or {}).get("choices"))
         if (role == "stable" and verdict.ok and not call.no_shadow and call.request is not None
-                and route in self.config.routes and self.sampler.wanted(route, call.request_id)):
+                and route in self.config.routes and self._judging(route, call.segment)
+                and self.sampler.wanted(route, call.request_id)):
             if call.stateful:  # the candidate can't see the upstream state it refers to
                 metrics.shadow_dropped_total.labels(route, "stateful").inc()
             elif self.sampler.admit(route):

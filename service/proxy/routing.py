@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import random
 
-from service.records import Role
-from service.rollout.book import Split
+from service.records import Role, RolloutState
+from service.rollout.book import TERMINAL, Split
 
 _SCALE = float(1 << 64)
 
@@ -28,6 +28,17 @@ def pick(route: str, split: Split, session_key: str | None, segment: str | None 
         return split.canary, "canary"
     u = unit_hash(route, session_key) if session_key else random.random()
     return (split.canary, "canary") if u < split.weight else (split.stable, "stable")
+
+
+def judging(state: RolloutState | None, segment: str) -> bool:
+    """Whether a candidate is still being judged for this route (and segment, with rollout.scope
+    segment): only then is a request worth shadowing. A paused rollout still gathers evidence."""
+    if state is None or state.candidate is None or state.phase in TERMINAL:
+        return False
+    if state.scope == "segment":
+        seg = state.segments.get(segment)
+        return seg is None or seg.phase not in TERMINAL  # a segment not seen yet joins in shadow
+    return True
 
 
 def session_hash(session_key: str | None) -> str | None:

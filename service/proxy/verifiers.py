@@ -76,15 +76,20 @@ def check_tool_calls(tool_calls: list, request: dict, check_args: bool) -> str |
         if not isinstance(fn, dict):
             return "tool call without a function"
         name = fn.get("name")
+        if not isinstance(name, str):
+            return "tool call without a function name"
         if known and name not in known:
             return f"unknown function {name!r}"
         if not check_args:
             continue
+        arguments = fn.get("arguments")
+        if arguments is not None and not isinstance(arguments, str):
+            return f"arguments of {name!r} are not a string of JSON"
         try:
-            args = json.loads(fn.get("arguments") or "{}")
+            args = json.loads(arguments or "{}")
         except ValueError:
             return f"arguments of {name!r} are not JSON"
-        schema = known.get(name) if isinstance(name, str) else None
+        schema = known.get(name)
         if schema is not None:
             ok, problem = fits_schema(args, schema)
             if not ok:

@@ -13,7 +13,7 @@ class UpstreamReply:
     `settle()` once the answer is over, or `release()` to abandon it."""
 
     status: int
-    headers: dict[str, str]
+    headers: dict[str, str]  # the answer's, names lower-case, the first of a repeated one
     body: bytes = b""
     _stream: AsyncIterator[bytes] | None = None
     _release: object = field(default=None, repr=False)

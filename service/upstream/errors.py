@@ -73,3 +73,18 @@ def error_cause(status: int, body: dict | None) -> str:
     if status >= 500:
         return "bad_request" if _VALIDATION_MESSAGE.search(message) else "provider_5xx"
     return "bad_response"
+
+
+# an error reported inside a 200 answer (a stream's error event, a failed response): no status says
+# what it was, only its code
+IN_ANSWER_CODES = {"rate_limit_exceeded": "rate_limited", "server_error": "provider_5xx", "vector_store_timeout": "timeout",
+                   "context_length_exceeded": "context_length_exceeded", "insufficient_quota": "quota_exceeded"}
+
+
+def in_answer_cause(code: object) -> str:
+    if isinstance(code, str):
+        if code in IN_ANSWER_CODES:
+            return IN_ANSWER_CODES[code]
+        if code.startswith("invalid_") or code.endswith("_not_found"):
+            return "bad_request"
+    return "provider_5xx"

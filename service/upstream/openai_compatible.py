@@ -10,10 +10,6 @@ from service.config import ProviderConfig
 from service.upstream.base import TransportFailure, UpstreamReply
 from service.upstream.http1 import Connection, HTTPFailure, Origin
 
-# Response headers worth passing back to the client.
-FORWARD_HEADERS = ("content-type", "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
-                   "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
-                   "x-ratelimit-reset-tokens", "openai-processing-ms")
 # After a stream's last event, what is left of the body (its end, a ping) is read for this long at most
 # so the connection goes back to the pool; a server that keeps sending gets its connection closed.
 SETTLE_S = 0.5
@@ -41,7 +37,7 @@ class OpenAICompatibleProvider:
             conn = await self._origin.request(method, path, body, headers, self._timeout_s, stream)
         except HTTPFailure as e:
             raise self._failure(e, f"no answer from {self.name} in time") from None
-        reply_headers = {k: v for k in FORWARD_HEADERS if (v := conn.headers.get(k)) is not None}
+        reply_headers = conn.headers  # the connection starts a new dict for its next answer
         if stream and conn.status == 200:
             return UpstreamReply(conn.status, reply_headers, _stream=self._chunks(conn), _release=conn.release,
                                  _settle=lambda: _read_rest(conn))

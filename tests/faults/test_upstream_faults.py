@@ -309,6 +309,126 @@ def test_malformed_upstream_answers_are_attributed_never_a_proxy_500(faults, rep
     assert metric_value(scrape(proxy.url), "modelcanary_failures_total", cause="proxy_error") == 0
 
 
+def json_reply(status: str, body: dict, headers: bytes = b"") -> bytes:
+    data = json.dumps(body).encode()
+    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%sconnection: close\r\n\r\n%s"
+            % (status.encode(), len(data), headers, data))
+
+
+def sse_reply(*events: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + b"".join(events)
+
+
+def completion(message: dict, finish: str = "stop", usage: dict | None = None) -> dict:
+    return {"id": "chatcmpl-9", "object": "chat.completion", "model": "good-model",
+            "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish}],
+            "usage": usage or {"prompt_tokens": 3, "completion_tokens": 2}}
+
+
+def requests_recorded(proxy, outcome: str | None = None) -> float:
+    labels = {"outcome": outcome} if outcome else {}
+    return metric_value(scrape(proxy.url), "modelcanary_requests_total", model="via-fault-m", **labels)
+
+
+def wait_recorded(proxy, n: float, outcome: str | None = None) -> float:
+    deadline = time.monotonic() + 3
+    while (got := requests_recorded(proxy, outcome)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def in_flight(proxy) -> float:
+    return metric_value(scrape(proxy.url), "modelcanary_in_flight_requests", route="via-fault-m")
+
+
+TOOL_ARGS_OBJECT = completion({"content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    finish="tool_calls")
+CONTENT_PARTS = completion({"content": [{"type": "text", "text": '{"city": "Paris"}'}]})
+USAGE_NOT_INT = completion({"content": "hi"}, usage={"prompt_tokens": 3, "completion_tokens": "7"})
+
+
+@pytest.mark.parametrize(("answer", "extra", "outcome", "cause"), [
+    (TOOL_ARGS_OBJECT, {}, "failed", "invalid_tool_call"),  # arguments must be a string of JSON
+    (CONTENT_PARTS, {"response_format": {"type": "json_object"}}, "completed", None),
+    (USAGE_NOT_INT, {}, "completed", None),
+], ids=["tool-arguments-object", "content-parts-json", "usage-not-int"])
+def test_answers_of_unexpected_shape_are_passed_on_and_recorded(faults, answer, extra, outcome, cause):
+    """A 200 whose fields have types the proxy did not expect reaches the client as it came, and the
+    call is recorded like any other (before: a 500, or nothing recorded and the in-flight gauge left up)."""
+    proxy, fault = faults
+    fault.set_mode("reply", reply=json_reply("200 OK", answer))
+    before = requests_recorded(proxy, outcome)
+    status, raw, _ = asyncio.run(post(proxy.url, chat("via-fault-m", **extra)))
+    assert status == 200 and json.loads(raw) == answer, raw
+    assert wait_recorded(proxy, before + 1, outcome) == before + 1
+    if cause is not None:
+        assert metric_value(scrape(proxy.url), "modelcanary_failures_total", model="via-fault-m", cause=cause,
+                            blame="model") >= 1
+    assert in_flight(proxy) == 0
+    assert metric_value(scrape(proxy.url), "modelcanary_failures_total", cause="proxy_error") == 0
+
+
+def test_upstream_rate_limit_headers_reach_the_client_and_no_tokens_are_charged(faults):
+    """The openai SDK decides its retries from `x-should-retry`: passed on, a quota error is tried once
+    through the proxy as it is directly. A refused call bills no tokens."""
+    proxy, fault = faults
+    headers = (b"x-should-retry: false\r\nretry-after-ms: 1500\r\nx-ratelimit-remaining-requests: 0\r\n"
+               b"x-request-id: req_upstream_1\r\nset-cookie: __cf_bm=abc\r\n")
+    fault.set_mode("reply", reply=json_reply("429 Too Many Requests", {"error": {
+        "message": "You exceeded your current quota", "type": "insufficient_quota", "code": "insufficient_quota"}},
+        headers))
+    text = scrape(proxy.url)
+    tokens = metric_value(text, "modelcanary_tokens_total", model="via-fault-m")
+    cost = metric_value(text, "modelcanary_cost_usd_total", model="via-fault-m")
+    before = requests_recorded(proxy)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=2, timeout=30)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="via-fault-m", messages=[{"role": "user", "content": "hi"}])
+    got = e.value.response.headers
+    assert got["x-should-retry"] == "false" and got["retry-after-ms"] == "1500"
+    assert got["x-ratelimit-remaining-requests"] == "0" and got["x-upstream-request-id"] == "req_upstream_1"
+    assert got["x-request-id"] != "req_upstream_1" and "set-cookie" not in got
+    assert wait_recorded(proxy, before + 1) == before + 1
+    time.sleep(0.3)  # a retry by the SDK would have been recorded by now
+    assert requests_recorded(proxy) == before + 1
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_tokens_total", model="via-fault-m") == tokens
+    assert metric_value(text, "modelcanary_cost_usd_total", model="via-fault-m") == cost
+
+
+CHUNK = (b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,'
+         b'"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}\n\n')
+RATE_LIMIT_EVENT = b'data: {"error":{"message":"Rate limit reached","code":"rate_limit_exceeded"}}\n\n'
+TWO_LINE_EVENT = (b'data: {"id":"c1","object":"chat.completion.chunk",\n'
+                  b'data: "choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}\n\n')
+
+
+def test_stream_error_event_keeps_its_cause_and_is_not_doubled(faults):
+    proxy, fault = faults
+    fault.set_mode("reply", reply=sse_reply(CHUNK, RATE_LIMIT_EVENT))
+    before = failures(proxy, "via-fault-m", "rate_limited")
+    status, raw, _ = asyncio.run(post(proxy.url, chat("via-fault-m", stream=True)))
+    assert status == 200
+    errors = [e for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "rate_limit_exceeded", raw
+    assert failures(proxy, "via-fault-m", "rate_limited", before + 1) == before + 1
+
+
+def test_stream_event_over_several_data_lines_is_one_event(faults):
+    """SSE joins an event's data lines with newlines, as the SDKs do."""
+    proxy, fault = faults
+    fault.set_mode("reply", reply=sse_reply(CHUNK, TWO_LINE_EVENT, b"data: [DONE]\n\n"))
+    before = requests_recorded(proxy, "completed")
+    malformed = failures(proxy, "via-fault-m", "bad_response")
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0, timeout=30)
+    chunks = list(client.chat.completions.create(model="via-fault-m", stream=True,
+                                                 messages=[{"role": "user", "content": "hi"}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello"
+    assert wait_recorded(proxy, before + 1, "completed") == before + 1
+    assert failures(proxy, "via-fault-m", "bad_response") == malformed
+
+
 def test_simulator_bad_response_plain_and_stream(faults):
     proxy, _ = faults
     status, raw, _ = asyncio.run(post(proxy.url, chat("bad-m")))

@@ -10,13 +10,14 @@ chat completion, which the shadow evaluators read.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from starlette.responses import Response
+
 from service.config import Checks, ModelConfig
 from service.proxy.outcome import Verdict
-from service.proxy.segments import estimate_tokens, message_chars
+from service.proxy.segments import content_text, estimate_tokens, message_chars
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,8 +50,10 @@ class ApiFormat(Protocol):
     name: str                           # chat | responses | messages
     path: str                           # the upstream path under the provider's base_url
     provider_api: str                   # the provider `api` that speaks it: openai | anthropic
-    first_token: tuple[bytes, ...]      # bytes that mark the event carrying the first token
     end_of_stream: tuple[bytes, ...]    # bytes that mark the stream's terminal event
+
+    def has_output(self, events: bytes) -> bool:
+        """Whether stream events carry output: the first such event is the time to first token."""
 
     def check(self, body: dict) -> tuple[str, str] | None:
         """(field, problem) when the request can't be served as this format, else None."""
@@ -75,6 +78,10 @@ class ApiFormat(Protocol):
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         """An SSE event that tells this format's clients the stream failed."""
 
+    def error_response(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                       headers: dict[str, str] | None = None) -> Response:
+        """An error answer in this format's shape (an `ErrorResponse`)."""
+
     def model_body(self, request: dict, model: ModelConfig) -> dict:
         """The request as `model` gets it: its upstream name, its `system_prompt` first and its
         `params` (chat fields) over the client's, in this format's fields; `request` is left as it was."""
@@ -90,23 +97,6 @@ class ApiFormat(Protocol):
 
 
 # ---- helpers the formats share -----------------------------------------------------------------
-
-
-def sse_events(raw: bytes) -> Iterator[tuple[str | None, bytes]]:
-    """(event name, data) for each SSE event in `raw`; multi-line data joined with newlines."""
-    name: str | None = None
-    data: list[bytes] = []
-    for line in raw.replace(b"\r\n", b"\n").split(b"\n"):
-        if not line:
-            if data:
-                yield name, b"\n".join(data)
-            name, data = None, []
-        elif line.startswith(b"data:"):
-            data.append(line[5:].strip())
-        elif line.startswith(b"event:"):
-            name = line[6:].strip().decode("utf-8", "replace")
-    if data:
-        yield name, b"\n".join(data)
 
 
 def sse_json(data: bytes) -> dict | None:
@@ -148,9 +138,14 @@ def chat_output_chars(chat: dict | None) -> int:
         message = chat["choices"][0]["message"]  # type: ignore[index]
     except (KeyError, IndexError, TypeError):
         return 0
-    chars = len(message.get("content") or "")
-    for tc in message.get("tool_calls") or ():
-        chars += len((tc.get("function") or {}).get("arguments") or "")
+    if not isinstance(message, dict):
+        return 0
+    chars = len(content_text(message.get("content")))
+    tool_calls = message.get("tool_calls")
+    for tc in tool_calls if isinstance(tool_calls, list) else ():
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        arguments = fn.get("arguments") if isinstance(fn, dict) else None
+        chars += len(arguments) if isinstance(arguments, str) else 0
     return chars
 
 

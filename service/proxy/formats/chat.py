@@ -3,11 +3,13 @@ this wraps the same functions for the shadow workers and for code that handles e
 
 from __future__ import annotations
 
+from starlette.responses import Response
+
 from service.config import Checks, ModelConfig
-from service.errors import error_body
-from service.proxy.formats.base import Reassembled, Usage, chat_output_chars, estimated_usage
+from service.errors import error_body, openai_error
+from service.proxy.formats.base import Reassembled, Usage, chat_output_chars, estimated_usage, token_count
 from service.proxy.outcome import Verdict, classify_chat
-from service.proxy.sse import reassemble
+from service.proxy.sse import chat_has_output, reassemble
 from service.upstream.errors import error_cause
 from service.upstream.model_settings import model_body
 
@@ -18,8 +20,10 @@ class ChatFormat:
     name = "chat"
     path = "/chat/completions"
     provider_api = "openai"
-    first_token: tuple[bytes, ...] = ()  # the first chunk
     end_of_stream: tuple[bytes, ...] = (b"data: [DONE]",)
+
+    def has_output(self, events: bytes) -> bool:
+        return chat_has_output(events)
 
     def check(self, body: dict) -> tuple[str, str] | None:
         if not isinstance(body.get("messages"), list):
@@ -41,18 +45,22 @@ class ChatFormat:
     def usage(self, view: dict, response: dict | None) -> Usage:
         usage = response.get("usage") if isinstance(response, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            return Usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0)
+            return Usage(token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens")))
         if response is None:
             return Usage(0, 0)
         return estimated_usage(view, chat_output_chars(response))
 
     def reassemble(self, raw: bytes) -> Reassembled:
-        response, saw_done, problem = reassemble(raw)
+        response, saw_done, problem, cause = reassemble(raw)
         finished = response is not None and response["choices"][0].get("finish_reason") is not None
-        return Reassembled(response, saw_done or finished, problem)
+        return Reassembled(response, saw_done or finished, problem, cause)
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         return b"data: " + error_body(status, message, code) + b"\n\n"
+
+    def error_response(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                       headers: dict[str, str] | None = None) -> Response:
+        return openai_error(status, message, code, param, headers)
 
     def model_body(self, request: dict, model: ModelConfig) -> dict:
         return model_body(request, model)

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import json
 
+from starlette.responses import Response
+
 from service.config import Checks, ModelConfig
+from service.errors import anthropic_error, anthropic_error_body
 from service.proxy.formats import base
 from service.proxy.outcome import MAX_TOKENS, Verdict, classify_chat, failed
 from service.proxy.segments import content_text
+from service.proxy.sse import sse_events
 from service.upstream.errors import error_cause
 
 # `error.type` -> cause (DESIGN §6)
@@ -55,8 +59,10 @@ class MessagesFormat:
     name = "messages"
     path = "/messages"
     provider_api = "anthropic"
-    first_token: tuple[bytes, ...] = (b'"text_delta"', b'"input_json_delta"')
     end_of_stream: tuple[bytes, ...] = (b'"message_stop"',)
+
+    def has_output(self, events: bytes) -> bool:
+        return b'"text_delta"' in events or b'"input_json_delta"' in events
 
     def check(self, body: dict) -> tuple[str, str] | None:
         if not isinstance(body.get("messages"), list):
@@ -127,7 +133,7 @@ class MessagesFormat:
         blocks: dict[int, dict] = {}
         tool_json: dict[int, list[str]] = {}
         ended = False
-        for name, data in base.sse_events(raw):
+        for name, data in sse_events(raw):
             event = base.sse_json(data)
             if event is None:
                 return base.Reassembled(None, False, "malformed SSE data")
@@ -172,8 +178,11 @@ class MessagesFormat:
         return base.Reassembled(message, True)
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
-        kind = "timeout_error" if code == "timeout" else "overloaded_error" if status == 503 else "api_error"
-        return base.named_event("error", {"type": "error", "error": {"type": kind, "message": message}})
+        return base.named_event("error", anthropic_error_body(status, message, code))
+
+    def error_response(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                       headers: dict[str, str] | None = None) -> Response:
+        return anthropic_error(status, message, code, param, headers)
 
     def model_body(self, request: dict, model: ModelConfig) -> dict:
         body = {**request, "model": model.name}

@@ -14,22 +14,20 @@ from __future__ import annotations
 
 import json
 
+from starlette.responses import Response
+
 from service.config import Checks, ModelConfig
-from service.errors import error_body
+from service.errors import error_body, openai_error
 from service.proxy.formats import base
 from service.proxy.outcome import MAX_TOKENS, Verdict, classify_chat, failed
-from service.upstream.errors import error_cause
+from service.proxy.sse import sse_events
+from service.upstream.errors import error_cause, in_answer_cause
 from service.upstream.model_settings import CAP_FIELDS
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+FIRST_OUTPUT = (b'"response.output_text.delta"', b'"response.refusal.delta"', b'"response.function_call_arguments.delta"')
 # kept from the live request in a shadow call: never streamed, never stored, no upstream state
 SHADOW_DROPPED = ("stream", "stream_options", "previous_response_id", "conversation", "background")
-
-# `error.code` of a failed response (or a stream's `error` event) -> cause
-FAILED_CODES = {"rate_limit_exceeded": "rate_limited", "server_error": "provider_5xx",
-                "vector_store_timeout": "timeout", "context_length_exceeded": "context_length_exceeded",
-                "insufficient_quota": "quota_exceeded"}
-
 
 # a model's chat `params` -> (Responses field, key inside it or None)
 RESPONSES_PARAMS: dict[str, tuple[str, str | None]] = {
@@ -38,15 +36,6 @@ RESPONSES_PARAMS: dict[str, tuple[str, str | None]] = {
     **{f: (f, None) for f in ("temperature", "top_p", "top_logprobs", "parallel_tool_calls", "metadata", "store",
                               "service_tier", "user", "safety_identifier", "prompt_cache_key")},
 }
-
-
-def failed_cause(code: object) -> str:
-    if isinstance(code, str):
-        if code in FAILED_CODES:
-            return FAILED_CODES[code]
-        if code.startswith("invalid_") or code.endswith("_not_found"):
-            return "bad_request"
-    return "provider_5xx"
 
 
 def _item_message(item: dict) -> dict | None:
@@ -68,9 +57,10 @@ class ResponsesFormat:
     name = "responses"
     path = "/responses"
     provider_api = "openai"
-    first_token: tuple[bytes, ...] = (b'"response.output_text.delta"', b'"response.refusal.delta"',
-                   b'"response.function_call_arguments.delta"')
     end_of_stream: tuple[bytes, ...] = tuple(f'"{t}"'.encode() for t in TERMINAL)
+
+    def has_output(self, events: bytes) -> bool:
+        return any(m in events for m in FIRST_OUTPUT)
 
     def check(self, body: dict) -> tuple[str, str] | None:
         inp = body.get("input")
@@ -119,7 +109,7 @@ class ResponsesFormat:
         status = response.get("status")
         if status == "failed":
             err = found if isinstance(found := response.get("error"), dict) else {}
-            return failed(failed_cause(err.get("code")), str(err.get("message") or "response failed")[:200])
+            return failed(in_answer_cause(err.get("code")), str(err.get("message") or "response failed")[:200])
         if status == "incomplete":
             details = response.get("incomplete_details")
             reason = details.get("reason") if isinstance(details, dict) else None
@@ -150,7 +140,7 @@ class ResponsesFormat:
     def reassemble(self, raw: bytes) -> base.Reassembled:
         final: dict | None = None
         done_items: dict[int, dict] = {}
-        for name, data in base.sse_events(raw):
+        for name, data in sse_events(raw):
             if data == b"[DONE]":
                 continue
             event = base.sse_json(data)
@@ -160,7 +150,7 @@ class ResponsesFormat:
             if kind == "error":
                 err = found if isinstance(found := event.get("error"), dict) else event
                 return base.Reassembled(None, False, str(err.get("message") or "error event")[:200],
-                                        failed_cause(err.get("code")))
+                                        in_answer_cause(err.get("code")))
             if kind == "response.output_item.done" and isinstance(event.get("item"), dict):
                 index = event.get("output_index")
                 done_items[index if isinstance(index, int) else len(done_items)] = event["item"]
@@ -177,6 +167,10 @@ class ResponsesFormat:
         err = json.loads(error_body(status, message, code))["error"]
         payload = {"type": "error", "code": code, "message": message, "param": None, "error": err}
         return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    def error_response(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                       headers: dict[str, str] | None = None) -> Response:
+        return openai_error(status, message, code, param, headers)
 
     def model_body(self, request: dict, model: ModelConfig) -> dict:
         body = {**request, "model": model.name}
