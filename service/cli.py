@@ -8,14 +8,17 @@ import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from service.config import Config, ConfigError, load_config
+from service.config import Config, ConfigError, client_keys_problem, load_config
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
 log = logging.getLogger("modelcanary")
+
+STARTUP_FAILURE = 3  # the exit code uvicorn gives `serve` when it cannot listen
 
 
 class Wiring(Protocol):
@@ -35,21 +38,34 @@ class Wiring(Protocol):
     def replay(self, args: argparse.Namespace) -> int: ...
 
 
-def _config_or_exit(path: str) -> Config:
-    """The config, with what it names in the environment; else the problems, and exit 1."""
+def _config_or_exit(path: str, proxy: bool = False) -> Config:
+    """The config, with what it names in the environment (`proxy`: also what only the proxy reads);
+    else the problems, and exit 1."""
     try:
         config = load_config(path)
-        if config.events.backend == "kafka":
-            from service.bus.kafka.admin import client_security
-
-            try:
-                client_security(config.events.kafka.security)  # `<key>_env` variables must be set
-            except ValueError as e:
-                raise ConfigError(path, [str(e)]) from None
+        problems = environment_problems(config, proxy)
+        if problems:
+            raise ConfigError(path, problems)
         return config
     except ConfigError as e:
         print(e.explain(), file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def environment_problems(config: Config, proxy: bool) -> list[str]:
+    """What a valid config names in the environment that is missing or unusable ('path: reason'
+    lines, never a value); `proxy`: also the client keys, which only the proxy reads."""
+    problems = []
+    if config.events.backend == "kafka":
+        from service.bus.kafka.admin import client_security
+
+        try:
+            client_security(config.events.kafka.security)  # `<key>_env` variables must be set
+        except ValueError as e:
+            problems.append(str(e))
+    if proxy and (client_keys := client_keys_problem(config.server)) is not None:
+        problems.append(client_keys)
+    return problems
 
 
 def client_key_notes(config: Config) -> list[str]:
@@ -80,7 +96,12 @@ def tune_gc() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    config = _config_or_exit(args.config)
+    from service.rollout.state_file import state_dir_problem
+
+    config = _config_or_exit(args.config, proxy=True)
+    if config.events.backend == "memory" and (problem := state_dir_problem(Path(config.state_dir))):
+        print(f"error: state_dir: {problem}; the rollout state would be lost on restart", file=sys.stderr)
+        return 1
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     workers = args.workers or 1
@@ -134,7 +155,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e.explain("simulator config"), file=sys.stderr)
         return 1
-    serve(sim, args.host, args.port)
+    try:
+        serve(sim, args.host, args.port)
+    except OSError as e:  # the port is taken, or the host is not ours: one line, as `serve` says it
+        print(f"ERROR:    {e}", file=sys.stderr)
+        return STARTUP_FAILURE
     return 0
 
 
@@ -148,6 +173,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
+        problems = environment_problems(config, proxy=True)
+        if problems:
+            raise ConfigError(args.file, problems)
     except ConfigError as e:
         for problem in e.problems:
             print(f"{problem}", file=sys.stderr)

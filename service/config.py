@@ -39,6 +39,25 @@ class ServerConfig(Strict):
     client_keys_env: str | None = None
 
 
+def client_keys_problem(server: ServerConfig) -> str | None:
+    """Why `server.client_keys_env` gives the proxy no usable client key, or None. Read like the
+    proxy reads it (`key1=route-a,route-b;key2=*`); the message never carries a value."""
+    variable = server.client_keys_env
+    if not variable:
+        return None
+    spec = os.environ.get(variable)
+    if spec is None:
+        return f"server.client_keys_env: environment variable {variable!r} is not set"
+    keys = [entry.partition("=")[0].strip() for entry in spec.split(";") if entry.strip()]
+    if not keys:
+        return (f"server.client_keys_env: environment variable {variable!r} holds no keys "
+                "(expected key1=route-a,route-b;key2=*)")
+    if "" in keys:  # a request with no Authorization header would match it
+        return (f"server.client_keys_env: entry {keys.index('') + 1} of environment variable {variable!r} "
+                "has no key before '='")
+    return None
+
+
 class ProviderConfig(Strict):
     base_url: str
     api: Literal["openai", "anthropic"] = "openai"  # the wire format it speaks: OpenAI's, or Anthropic Messages
@@ -177,21 +196,27 @@ class ShadowConfig(Strict):
         return v
 
 
+# A number, never a boolean (YAML's `true` would otherwise read as 1) or a numeric string.
+StrictFloat = Annotated[float, Field(strict=True)]
+# Margins of rates, shares and [0, 1] scores: a margin of the whole range would pass anything.
+FractionMargin = Annotated[StrictFloat, Field(ge=0, le=1)]
+
+
 class Margins(Strict):
-    completion_rate: float = Field(0.01, ge=0)
-    model_failure_rate: float = Field(0.01, ge=0)
-    client_retry_rate: float = Field(0.01, ge=0)
-    task_success_rate: float = Field(0.02, ge=0)
-    latency_p95_exceedance: float = Field(0.05, ge=0)
-    cost_per_completion_ratio: float = Field(1.25, ge=1.0)
-    agreement_gap: float = Field(0.05, ge=0)
-    similarity_gap: float = Field(0.05, ge=0)
-    judge_preference: float = Field(0.05, ge=0)
-    stability_gap: float = Field(0.05, ge=0)
+    completion_rate: FractionMargin = 0.01
+    model_failure_rate: FractionMargin = 0.01
+    client_retry_rate: FractionMargin = 0.01
+    task_success_rate: FractionMargin = 0.02
+    latency_p95_exceedance: FractionMargin = 0.05
+    cost_per_completion_ratio: StrictFloat = Field(1.25, ge=1.0)
+    agreement_gap: FractionMargin = 0.05
+    similarity_gap: FractionMargin = 0.05
+    judge_preference: FractionMargin = 0.05
+    stability_gap: FractionMargin = 0.05
 
 
 class RolloutConfig(Strict):
-    steps: list[Annotated[float, Field(gt=0, le=100)]] = [1, 5, 25, 50]
+    steps: list[Annotated[StrictFloat, Field(gt=0, le=100)]] = [1, 5, 25, 50]
     min_shadow_samples: int = Field(300, ge=0)
     min_samples_per_step: int = Field(300, ge=1)
     min_step_seconds: float = Field(60.0, ge=0)
@@ -512,8 +537,91 @@ def read_yaml(path: str | os.PathLike) -> object:
 
 
 def parse_config(data: object, source: str = "config") -> Config:
-    return validated(Config, data, source)
+    """`data` as a Config, or ConfigError with every problem: field errors, and the cross-reference
+    problems that the fields that are valid already show."""
+    if not isinstance(data, dict):
+        return validated(Config, data, source)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(source, _describe(e) + _reference_problems_despite(e, data)) from None
 
 
 def load_config(path: str | os.PathLike) -> Config:
-    return validated(Config, read_yaml(path), str(path))
+    return parse_config(read_yaml(path), str(path))
+
+
+# What `Config._references` reads, per entry of these sections. Any other field, and any other
+# section, can be set back to its default without changing what the reference checks find.
+REFERENCE_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "providers": (("api",),),
+    "models": (("provider",),),
+    "routes": (("stable",), ("candidate",), ("candidates",), ("shadow", "judge", "model"),
+               ("shadow", "similarity", "model"), ("rollout", "scope"), ("rollout", "select")),
+}
+MAX_PASSES = 3  # a default can fail a check across fields; that object is then dropped in turn
+
+
+def _reference_problems_despite(err: ValidationError, data: dict) -> list[str]:
+    """`Config._references` only runs once every field is valid. Its problems all the same: the
+    same data with each invalid field or unknown key dropped (its default used instead), validated
+    again. Nothing when a dropped field is one the references read, or a required one: the
+    reference problems would then be guesses."""
+    if _has_reference_problems(err):  # the fields were valid: `err` already has them
+        return []
+    data = dict(data)
+    for _ in range(MAX_PASSES):
+        for e in err.errors():
+            loc = _field_loc(e["loc"])
+            if e["type"] == "missing" or _reads_references(loc) or not _drop(data, loc):
+                return []
+        try:
+            Config.model_validate(data)
+            return []
+        except ValidationError as again:
+            err = again
+        if _has_reference_problems(err):  # the references ran, so every field was valid this time
+            return _describe(err)
+    return []
+
+
+def _has_reference_problems(err: ValidationError) -> bool:
+    return any(isinstance((e.get("ctx") or {}).get("error"), ConfigProblems) for e in err.errors())
+
+
+def _field_loc(loc: tuple) -> tuple:
+    """An error's location up to the field it is in (a list item's error drops the whole list)."""
+    field: list = []
+    for part in loc:
+        if isinstance(part, int):
+            break
+        if not (isinstance(part, str) and part.startswith("function-")):
+            field.append(part)
+    return tuple(field)
+
+
+def _reads_references(loc: tuple) -> bool:
+    """Whether the field at `loc` is, holds or lies in one that `Config._references` reads."""
+    if not loc or loc[0] not in REFERENCE_FIELDS:
+        return False
+    rest = loc[2:]
+    return len(loc) < 3 or any(rest[:len(f)] == f[:len(rest)] for f in REFERENCE_FIELDS[loc[0]])
+
+
+def _drop(data: dict, loc: tuple) -> bool:
+    """Remove the key at `loc` from the nested mappings of `data`, copying the nested ones on the way
+    (only `data` itself changes); False when `loc` is not a key of a mapping there."""
+    if not loc:
+        return False
+    node = data
+    for part in loc[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            return False
+        copy = dict(child)
+        node[part] = copy
+        node = copy
+    if loc[-1] not in node:
+        return False
+    del node[loc[-1]]
+    return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import os
 import shutil
 import subprocess
 import sys
@@ -177,12 +178,13 @@ def crd_validators():
     return validators
 
 
-def check_config(path: Path) -> None:
-    """The real `modelcanary check-config FILE`."""
+def check_config(path: Path, pod_env: dict[str, str] | None = None) -> None:
+    """The real `modelcanary check-config FILE`, with the variables the chart gives the pods."""
     exe = Path(sys.executable).with_name("modelcanary")
     exe = str(exe) if exe.exists() else shutil.which("modelcanary")
     assert exe, "the modelcanary console script is not installed (pip install -e .)"
-    proc = subprocess.run([exe, "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([exe, "check-config", str(path)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(pod_env or {})})
     assert proc.returncode == 0, f"check-config failed:\n{proc.stdout}\n{proc.stderr}"
 
 
@@ -324,7 +326,9 @@ def test_rendered_config_passes_check_config(rendered, scenario, tmp_path):
     )
     path = tmp_path / "modelcanary.yaml"
     path.write_text(config_text(docs))
-    check_config(path)
+    # the pods get their secrets' variables from the cluster: set to stand-ins here
+    check_config(path, {e["name"]: "stand-in" for d in docs if d.get("kind") == "Deployment"
+                        for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env") or ()})
 
 
 def test_own_config_replaces_the_example(chart, tmp_path):

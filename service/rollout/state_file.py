@@ -11,12 +11,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import threading
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from service.records import RolloutState
 
 log = logging.getLogger("modelcanary.rollout")
+
+
+def state_dir_problem(directory: Path) -> str | None:
+    """Why the rollout state can't be written in `directory` (created when missing), or None."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        return f"cannot create or write the directory {str(directory)!r}: {e.strerror or e}"
+    return None
 
 
 class StateFile:
@@ -29,14 +43,36 @@ class StateFile:
         self._idle.set()
 
     def load(self) -> dict[str, RolloutState]:
+        """Every route's saved state. A record that is not valid is left out (that route starts
+        fresh), logged with its route and fields; the other routes keep theirs."""
         if not self.path.exists():
             return {}
         try:
             raw = json.loads(self.path.read_text())
-            return {s["route"]: RolloutState.model_validate(s) for s in raw.get("rollouts", [])}
         except (OSError, ValueError) as e:
             log.error("ignoring unreadable rollout state %s: %s", self.path, e)
             return {}
+        records = raw.get("rollouts", []) if isinstance(raw, dict) else None
+        if not isinstance(records, list):
+            log.error("ignoring rollout state %s: expected an object with a list of rollouts", self.path)
+            return {}
+        states: dict[str, RolloutState] = {}
+        for index, record in enumerate(records):
+            state = self._record(index, record)
+            if state is not None:
+                states[state.route] = state
+        return states
+
+    def _record(self, index: int, record: object) -> RolloutState | None:
+        try:
+            return RolloutState.model_validate(record)
+        except ValidationError as e:
+            route = record.get("route") if isinstance(record, dict) else None
+            who = f"route {route!r}" if isinstance(route, str) else f"record {index}"
+            fields = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(record)'}: {err['msg']}"
+                               for err in e.errors())
+            log.error("rollout state %s: %s is not valid, so it starts fresh: %s", self.path, who, fields)
+            return None
 
     def save(self, states: list[RolloutState]) -> None:
         """Queue `states` (every route's, replacing any snapshot not yet written) and return."""
