@@ -387,3 +387,105 @@ def test_replay_a_dozen_cases_against_a_real_model(llama_server, tmp_path):
     assert any(e["name"] == "checks" for e in records[0]["evaluations"])
     assert result["repro"]["models"]["terse"]["served"]  # the version the server reported
     assert set(result["routes"][ROUTE]["verdicts"].values()) <= {"inconclusive", "within"}
+
+
+# ---- replay that cannot compare anything -------------------------------------------------------------------------
+
+
+def unreachable_url() -> str:
+    from tests.fixtures.servers import free_port
+
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def chat_cases(path: Path, n: int = 6) -> Path:
+    dataset.write(path, [dataset.Case(request_id=f"chat-{i}", route=ROUTE, request=chat_request(i))
+                         for i in range(n)])
+    return path
+
+
+def test_replay_with_every_call_unanswered_exits_2_naming_both_sides(tmp_path):
+    golden = chat_cases(tmp_path / "golden.jsonl")
+    config = write_yaml(tmp_path / "down.yaml", proxy_config(unreachable_url()))
+    r = cli(["replay", str(golden), "--candidate", "candidate-m", "--config", str(config)])
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])  # not 0: a CI gate must not pass
+    assert "Traceback" not in r.stderr and "nothing confidently worse" not in r.stdout
+    assert "replay: nothing could be compared on a route: see the error (exit 2)" in r.stdout
+    error = next(line for line in r.stderr.splitlines() if line.startswith("error:"))
+    assert f"route {ROUTE}: no case got an answer from the candidate 'candidate-m'" in error
+    assert "nor from the stable 'stable-m'" in error
+    assert error.count("connection_error on 6 of 6 calls") == 2
+    r = cli(["replay", str(golden), "--candidate", "candidate-m", "--config", str(config), "--json"])
+    assert r.returncode == 2
+    result = json.loads(r.stdout)
+    assert result["exit_code"] == 2
+    assert [(u["role"], u["cause"]) for u in result["routes"][ROUTE]["unanswered"]] == \
+        [("candidate", "connection_error"), ("stable", "connection_error")]
+
+
+def test_replay_with_only_the_candidate_unanswered_exits_2_naming_the_candidate(servers, tmp_path):
+    sim = servers.simulator()
+    cfg = proxy_config(sim.url)
+    cfg["providers"]["down"] = {"base_url": unreachable_url() + "/v1", "timeout_s": 5, "connect_timeout_s": 2,
+                                "max_retries": 1}
+    cfg["models"]["candidate-m"]["provider"] = "down"
+    config = write_yaml(tmp_path / "half.yaml", cfg)
+    golden = chat_cases(tmp_path / "golden.jsonl")
+    r = cli(["replay", str(golden), "--candidate", "candidate-m", "--config", str(config)])
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    error = next(line for line in r.stderr.splitlines() if line.startswith("error:"))
+    assert "the candidate 'candidate-m' (provider down: connection_error on 6 of 6 calls)" in error
+    assert "stable" not in error
+    # the stable model against itself on the same cases: answered, so nothing to refuse
+    r = cli(["replay", str(golden), "--candidate", "stable-m", "--config", str(config)])
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ---- against a live report, with several routes and candidates -----------------------------------------------------
+
+
+def test_replay_against_report_compares_only_the_routes_that_canary_the_candidate(servers, tmp_path, capsys,
+                                                                                 monkeypatch):
+    token = "adm-" + uuid.uuid4().hex
+    env = {"MODELCANARY_ADMIN_TOKEN": token}
+    sim = servers.simulator()
+    shadow = {"sample_rate": 1.0, "max_per_minute": 100_000}
+    cfg = proxy_config(sim.url, shadow=shadow)
+    cfg["models"]["other-m"] = {"provider": "sim", "name": "good-model"}
+    cfg["routes"]["billing-bot"] = {"stable": "stable-m", "candidate": "other-m", "shadow": shadow}
+    cfg["control"] = {"interval_s": 0.5, "report_interval_s": 0.5}
+    proxy = servers.proxy(cfg, env=env)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0, timeout=20)
+    for i in range(8):
+        for route in (ROUTE, "billing-bot"):
+            client.chat.completions.create(model=route, **chat_request(i))
+
+    def reported(route: str) -> bool:
+        req = urllib.request.Request(proxy.url + f"/admin/rollouts/{route}/report",
+                                     headers={"Authorization": f"Bearer {token}"})
+        return bool(json.loads(urllib.request.urlopen(req, timeout=10).read())["report"])
+
+    wait_for(lambda: reported(ROUTE) and reported("billing-bot"), 60, "live reports of both routes")
+    golden = tmp_path / "all.jsonl"
+    r = cli(["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out", str(golden)], env)
+    assert r.returncode == 0, r.stderr
+    assert {c.route for c in dataset.load(golden)} == {ROUTE, "billing-bot"}
+
+    r = cli(["replay", str(golden), "--candidate", "candidate-m", "--config", str(proxy.config_path),
+             "--against-report", proxy.url], env)
+    assert r.returncode in (0, 1), r.stderr[-3000:]  # judged, not refused
+    assert ("route billing-bot: not compared against a live report: its live rollout canaries 'other-m', not "
+            "'candidate-m'") in r.stdout
+    r = cli(["replay", str(golden), "--candidate", "candidate-m", "--config", str(proxy.config_path), "--json",
+             "--against-report", proxy.url], env)
+    routes = json.loads(r.stdout)["routes"]
+    assert routes[ROUTE]["against_report"] and routes[ROUTE]["against_report_skipped"] is None
+    assert routes["billing-bot"]["against_report"] is None
+    assert "canaries 'other-m'" in routes["billing-bot"]["against_report_skipped"]
+
+    monkeypatch.setenv("MODELCANARY_ADMIN_TOKEN", token)
+    code, _, err = in_process(capsys, ["replay", str(golden), "--candidate", "stable-m", "--config",
+                                       str(proxy.config_path), "--against-report", proxy.url])
+    assert code == 2 and "no route of the dataset canaries 'stable-m' live" in err
+    assert "route billing-bot: its live rollout canaries 'other-m'" in err
+    assert "route support-bot: its live rollout canaries 'candidate-m'" in err

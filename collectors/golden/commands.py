@@ -2,7 +2,8 @@
 
 Exit codes: 0 done (replay: nothing confidently worse), 1 replay found something confidently worse
 (capture: the records could not be read), 2 bad input (a flag, the config, the dataset, the
-live report to compare with), with the problem on stderr.
+live report to compare with) or a replay that could not compare anything on a route (the
+candidate or the stable model answered none of its cases), with the problem on stderr.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from rich.console import Console
+
 from collectors.golden import capture as capturing
 from collectors.golden import dataset, printing, sources, verdicts
-from collectors.golden.replay import ReplayInputError, RouteRun, repro, run, shadow_summary
-from service.admin.cli import AdminError, get_report
+from collectors.golden.replay import ReplayInputError, RouteRun, Unanswered, repro, run, shadow_summary, unanswered
+from service.admin.cli import AdminError, BadURLError, check_url, get_report
 from service.config import Config, ConfigError, load_config
 from service.records import dump
 from service.rollout.controller import finite
@@ -74,23 +78,46 @@ def capture(config_path: str, out: str, per_segment: int | None, since: str | No
     if per_segment is not None and per_segment < 1:
         return _bad(f"--per-segment: must be at least 1, got {per_segment}")
     try:
-        if config.events.backend == "kafka":
-            where = f"Kafka {config.events.kafka.bootstrap_servers} ({config.events.kafka.topic_prefix}.traffic)"
-            records, bad = sources.from_kafka(config)
-        else:
-            url = url or f"http://{config.server.host}:{config.server.port}"
-            where = f"the proxy at {url}"
-            records, bad = sources.from_proxy(url, token or os.environ.get(config.server.admin_token_env), t0, t1)
+        dataset.check_writable(out)   # before the traffic is fetched, not after
+    except ValueError as e:
+        return _bad(f"--out: {e}")
+    try:
+        records, bad, where = _read_records(config, url, token, t0, t1)
+    except AdminError as e:
+        return _bad(str(e))
     except sources.SourceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     sel = capturing.select(records, config, per_segment, t0, t1)
-    n = dataset.write(out, sel.cases)
+    try:
+        n = dataset.write(out, sel.cases)
+    except OSError as e:
+        return _bad(f"--out: cannot write {out!r}: {e.strerror or e}")
     print(f"captured from {where}: {sel.summary()}" + (f"; {bad} undecodable records skipped" if bad else ""))
     if n:
         printing.console().print(printing.stats_table(dataset.stats(sel.cases)))
     print(f"wrote {n} cases to {out}")
     return 0
+
+
+def _read_records(config: Config, url: str | None, token: str | None, t0: float | None,
+                  t1: float | None) -> tuple[list, int, str]:
+    """(records, undecodable, where from); AdminError for a bad --url, SourceError when unreadable."""
+    if config.events.backend == "kafka":
+        kafka = config.events.kafka
+        records, bad = sources.from_kafka(config)
+        return records, bad, f"Kafka {kafka.bootstrap_servers} ({kafka.topic_prefix}.traffic)"
+    if url is not None:
+        check_url("--url", url)
+    else:
+        url = check_url("--url (default: the config's server.host and server.port)", _proxy_url(config))
+    records, bad = sources.from_proxy(url, token or os.environ.get(config.server.admin_token_env), t0, t1)
+    return records, bad, f"the proxy at {url}"
+
+
+def _proxy_url(config: Config) -> str:
+    host = config.server.host
+    return f"http://{f'[{host}]' if ':' in host else host}:{config.server.port}"
 
 
 # ---- dataset stats ------------------------------------------------------------------------------------
@@ -130,17 +157,8 @@ def replay(dataset_path: str, candidate: str, stable: str | None, repeats: int |
         return _bad(str(e))
     finally:
         reporter.close()
-    results = {}
-    worse = False
-    out = printing.console()
-    for route, rr in runs.items():
-        segs = verdicts.per_segment(c.as_dict() for c in rr.comparisons)
-        agreements = verdicts.against_live(segs, live[route], candidate) if live is not None else None
-        worse = worse or verdicts.WORSE in segs.values()
-        results[route] = _route_result(rr, segs, agreements)
-        if not as_json:
-            printing.print_run(out, rr, segs, agreements)
-    code = 1 if worse else 0
+    results, worse, silent = _judged(runs, live, candidate, None if as_json else printing.console())
+    code = BAD_INPUT if silent else 1 if worse else 0
     if as_json:
         body = {"schema": "modelcanary.replay/v1", "dataset": dataset_path, "candidate": candidate,
                 "exit_code": code, "routes": results,
@@ -148,8 +166,48 @@ def replay(dataset_path: str, candidate: str, stable: str | None, repeats: int |
                 "repro": repro(runs, client, config, Path(dataset_path), repeats)}
         print(json.dumps(finite(body), indent=2))
     else:
-        print(f"replay: {'something is confidently worse (exit 1)' if worse else 'nothing confidently worse (exit 0)'}")
+        print(f"replay: {_summary(code)}")
+    for route, sides in silent.items():
+        print(f"error: {_unanswered_message(route, sides, config)}", file=sys.stderr)
     return code
+
+
+def _summary(code: int) -> str:
+    if code == BAD_INPUT:
+        return "nothing could be compared on a route: see the error (exit 2)"
+    return "something is confidently worse (exit 1)" if code == 1 else "nothing confidently worse (exit 0)"
+
+
+def _judged(runs: dict[str, RouteRun], live: LiveReports | None, candidate: str,
+            out: Console | None) -> tuple[dict, bool, dict[str, list[Unanswered]]]:
+    """(each route's result, whether anything is worse, the sides that answered nothing per route);
+    each route printed on `out` unless None (--json)."""
+    results = {}
+    worse = False
+    silent = {}
+    for route, rr in runs.items():
+        segs = verdicts.per_segment(c.as_dict() for c in rr.comparisons)
+        body = live.reports.get(route) if live is not None else None
+        agreements = verdicts.against_live(segs, body, candidate) if body is not None else None
+        not_compared = live.skipped.get(route) if live is not None else None
+        worse = worse or verdicts.WORSE in segs.values()
+        if sides := unanswered(rr):
+            silent[route] = sides
+        results[route] = {**_route_result(rr, segs, agreements), "against_report_skipped": not_compared,
+                          "unanswered": [vars(u) for u in sides]}
+        if out is not None:
+            printing.print_run(out, rr, segs, agreements)
+            if not_compared:
+                out.print(f"route {route}: not compared against a live report: {not_compared}")
+    return results, worse, silent
+
+
+def _unanswered_message(route: str, sides: list[Unanswered], config: Config) -> str:
+    """One line: which side(s) got no answer on the route, the dominant cause, what to check."""
+    said = [f"the {u.role} {u.model!r} (provider {config.models[u.model].provider}: {u.cause} on "
+            f"{u.n_cause} of {u.n_calls} calls)" for u in sides]
+    return (f"replay: route {route}: no case got an answer from {' nor from '.join(said)}, so nothing "
+            f"could be compared; check that the provider is reachable and its key is set")
 
 
 def _route_result(rr: RouteRun, segs: dict[str, str], agreements: list[verdicts.Agreement] | None) -> dict:
@@ -159,21 +217,49 @@ def _route_result(rr: RouteRun, segs: dict[str, str], agreements: list[verdicts.
             "against_report": [a.as_dict() for a in agreements] if agreements is not None else None}
 
 
-def _live_reports(url: str | None, routes: set[str], candidate: str) -> dict[str, dict] | None:
-    """Each route's live report, fetched before the replay spends anything."""
+@dataclass
+class LiveReports:
+    reports: dict[str, dict]    # route -> its live report, for the routes whose rollout canaries the candidate
+    skipped: dict[str, str]     # route -> why it is not compared against a live report
+
+
+def _live_reports(url: str | None, routes: set[str], candidate: str) -> LiveReports | None:
+    """Each route's live report, fetched before the replay spends anything. A route whose live
+    rollout is about other candidates is left out, saying so; an error when no route is left."""
     if url is None:
         return None
-    out = {}
+    live = LiveReports({}, {})
+    waiting = []     # routes that canary the candidate but have no report yet
     for route in sorted(routes):
         try:
-            body = get_report(url, os.environ.get(TOKEN_ENV), route)
+            body = get_report(url, os.environ.get(TOKEN_ENV), route, flag="--against-report")
         except AdminError as e:
-            raise ReplayInputError(f"--against-report: {e}") from None
-        if not isinstance(body, dict) or not body.get("report"):
-            raise ReplayInputError(f"--against-report: route {route} has no live report yet at {url}")
-        live = verdicts.live_candidates(body)
-        if candidate not in live:
-            raise ReplayInputError(f"--against-report: the live rollout of route {route} canaries "
-                                   f"{', '.join(map(repr, live)) or 'no candidate'}, not {candidate!r}")
-        out[route] = body
-    return out
+            message = str(e) if isinstance(e, BadURLError) else f"--against-report: {e}"
+            raise ReplayInputError(message) from None
+        others = _other_candidates(body, candidate)
+        if others is not None:
+            live.skipped[route] = f"its live rollout canaries {others}, not {candidate!r}"
+        elif not isinstance(body, dict) or not body.get("report"):
+            waiting.append(route)
+            live.skipped[route] = f"its live rollout of {candidate!r} has no report yet"
+        else:
+            live.reports[route] = body
+    if not live.reports:
+        if waiting:
+            raise ReplayInputError(f"--against-report: route {waiting[0]} has no live report yet at {url}")
+        raise ReplayInputError(f"--against-report: no route of the dataset canaries {candidate!r} live at {url}: "
+                               + "; ".join(f"route {r}: {why}" for r, why in sorted(live.skipped.items())))
+    return live
+
+
+def _other_candidates(body: object, candidate: str) -> str | None:
+    """None when the route's live rollout canaries `candidate` (or says nothing), else the ones it does."""
+    if not isinstance(body, dict):
+        return None
+    live = verdicts.live_candidates(body) if body.get("report") else _state_candidates(body)
+    return None if candidate in live else ", ".join(map(repr, live)) or "no candidate"
+
+
+def _state_candidates(body: dict) -> list[str]:
+    state = body.get("state") or {}
+    return list(state.get("candidates") or ()) or [c for c in (state.get("candidate"),) if c]

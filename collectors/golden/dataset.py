@@ -12,7 +12,8 @@ A case is a live request with what the stable model answered (`live`), where it 
   matching (a string is a regular expression for the whole value, anything else must be equal).
 
 `load(path)` validates every line and raises DatasetError with one "line N: field: reason" per
-problem; `write(path, cases)` writes a file that `load` reads back.
+problem; `write(path, cases)` writes a file that `load` reads back (`check_writable(path)` first
+tells whether it can).
 """
 
 from __future__ import annotations
@@ -170,6 +171,26 @@ def load(path: str | Path) -> list[Case]:
 def line_of(case: Case) -> str:
     return json.dumps(case.model_dump(mode="json", by_alias=True, exclude_none=True), ensure_ascii=False,
                       separators=(",", ":"))
+
+
+def check_writable(path: str | Path) -> None:
+    """Whether `write(path, ...)` can create or replace the file: ValueError saying why not.
+    An existing file is left as it was, and no new one behind."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory; give a file, e.g. {p / 'golden.jsonl'}")
+    parent = p.parent
+    if not parent.is_dir():
+        what = "does not exist" if not parent.exists() else "is not a directory"
+        raise ValueError(f"cannot write {str(path)!r}: the directory {str(parent)!r} {what}")
+    existed = p.exists()
+    try:
+        with open(p, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+    if not existed:
+        p.unlink(missing_ok=True)
 
 
 def write(path: str | Path, cases: Iterable[Case]) -> int:

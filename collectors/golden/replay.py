@@ -40,7 +40,7 @@ from service.judge.comparisons import FixedBoundary, PairedMeanTest, compare
 from service.judge.decide import Comparison, evaluate
 from service.judge.evidence import RouteEvidence
 from service.judge.shadow_report import ShadowStats
-from service.records import EvaluationRecord, PrimaryResult, RolloutState, TrafficEvent
+from service.records import CandidateResult, EvaluationRecord, PrimaryResult, RolloutState, TrafficEvent
 from service.upstream import make_providers
 from service.upstream.model_settings import settings_record
 
@@ -89,6 +89,33 @@ class RecordingClient(ShadowClient):
         if isinstance(served, str):
             self.served.setdefault(model_key, set()).add(served)
         return result
+
+
+@dataclass(frozen=True)
+class Unanswered:
+    """A side of a route's replay that answered no case: nothing of it can be compared."""
+    role: str            # "candidate" | "stable"
+    model: str
+    cause: str           # the most frequent cause of its failed calls
+    n_cause: int
+    n_calls: int
+
+
+def _answered(result: CandidateResult) -> bool:
+    """The model answered, well or badly (its own failures are the judge's to compare)."""
+    return result.outcome == "completed" or result.blame == "model"
+
+
+def unanswered(rr: RouteRun) -> list[Unanswered]:
+    """The candidate and the stable model (asked again) when not one of their calls got an answer."""
+    sides = (("candidate", rr.candidate, [r.candidate for r in rr.records]),
+             ("stable", rr.stable, [r.stable_again for r in rr.records if r.stable_again is not None]))
+    out = []
+    for role, model, results in sides:
+        if results and not any(_answered(x) for x in results):
+            cause, n = Counter(x.cause or "unknown" for x in results).most_common(1)[0]
+            out.append(Unanswered(role, model, cause, n, len(results)))
+    return out
 
 
 def replay_config(config: Config, routes: set[str], candidate: str, stable: str | None,

@@ -41,13 +41,10 @@ def from_proxy(url: str, token: str | None, since: float | None, until: float | 
     """(records, undecodable lines) from a running proxy in memory mode."""
     query = urllib.parse.urlencode({k: v for k, v in (("since", since), ("until", until)) if v is not None})
     full = url.rstrip("/") + "/admin/traffic" + (f"?{query}" if query else "")
-    req = urllib.request.Request(full, headers={"Accept": "application/x-ndjson"})
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
     values: list[dict] = []
     bad = 0
     try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+        with urllib.request.urlopen(_traffic_request(full, token), timeout=TIMEOUT_S) as resp:
             for line in resp:
                 if not line.strip():
                     continue
@@ -62,8 +59,20 @@ def from_proxy(url: str, token: str | None, since: float | None, until: float | 
         reason = getattr(e, "reason", e)
         raise SourceError(f"cannot reach the proxy at {full}: {reason} (is `modelcanary serve` running with "
                           f"this config? or pass --url)") from None
+    except ValueError as e:  # http.client.InvalidURL: spaces or control characters
+        raise SourceError(f"{full!r} is not a URL ({e}); pass --url http://HOST:PORT") from None
     records, undecodable = _decoded(values)
     return records, bad + undecodable
+
+
+def _traffic_request(full: str, token: str | None) -> urllib.request.Request:
+    try:
+        req = urllib.request.Request(full, headers={"Accept": "application/x-ndjson"})
+    except ValueError as e:  # no scheme, a broken IPv6 address: nothing to ask
+        raise SourceError(f"{full!r} is not a URL ({e}); pass --url http://HOST:PORT") from None
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    return req
 
 
 def from_kafka(config: Config) -> tuple[list[Record], int]:

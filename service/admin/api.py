@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
 
 audit = logging.getLogger("modelcanary.audit")
 
+ACTION_PARAMS = ("segment",)  # the only query parameter of POST /admin/rollouts/{route}/{action}
+GATES = ("promote",)  # /analysis/{route}?gate=: a non-2xx answer blocks the gated step
+
 
 def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nested handlers together; each is a few lines
     router = APIRouter()
@@ -28,12 +32,18 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
     def refused(request: Request) -> Response | None:
         header = request.headers.get("authorization")
         client = request.client.host if request.client else "-"
+        variable = runtime.config.server.admin_token_env
+        expected = os.environ.get(variable)
+        if not expected:
+            audit.warning("refused admin call %s %s: %s is not set client=%s", request.method, request.url.path,
+                          variable, client)
+            return openai_error(403, f"the admin API is disabled: the admin token variable {variable} is not set "
+                                "on the proxy", code="admin_token_not_set")
         if not header:
             audit.warning("refused admin call %s %s: no token client=%s", request.method, request.url.path, client)
             return openai_error(401, "admin endpoints need 'Authorization: Bearer <token>'", code="missing_token")
-        expected = os.environ.get(runtime.config.server.admin_token_env)
         given = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if not expected or not hmac.compare_digest(given.encode(), expected.encode()):
+        if not hmac.compare_digest(given.encode(), expected.encode()):
             audit.warning("refused admin call %s %s: invalid token client=%s", request.method, request.url.path,
                           client)
             return openai_error(403, "admin token is not valid", code="invalid_token")
@@ -78,9 +88,8 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
         bounds: dict[str, float | None] = {}
         for name in ("since", "until"):
             raw = request.query_params.get(name)
-            try:
-                bounds[name] = float(raw) if raw is not None else None
-            except ValueError:
+            bounds[name] = _unix_time(raw) if raw is not None else None
+            if raw is not None and bounds[name] is None:
                 return openai_error(400, f"{name} must be a unix time in seconds, got {raw[:40]!r}", param=name,
                                     code="invalid_value")
         return Response(b"".join(recent.lines(bounds["since"], bounds["until"])), media_type="application/x-ndjson")
@@ -94,6 +103,8 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
                                 param="action", code="unknown_action")
         if route not in runtime.book.states:
             return unknown(route)
+        if (bad := _action_input_problem(request, await request.body())) is not None:
+            return bad
         segment = request.query_params.get("segment")
         try:
             state = runtime.book.operate(route, action, by="operator", segment=segment)  # type: ignore[arg-type]
@@ -124,8 +135,13 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
 
         if route not in runtime.book.states:
             return unknown(route)
+        gates = request.query_params.getlist("gate")
+        if any(g not in GATES for g in gates) or len(gates) > 1:
+            shown = ", ".join(repr(g[:40]) for g in gates)
+            return openai_error(400, f"gate must be one of: {', '.join(GATES)} (or left out); got {shown}",
+                                param="gate", code="invalid_value")
         result = verdict_of(runtime.book.get(route))
-        if request.query_params.get("gate") == "promote" and not result["promote_ready"]:
+        if gates == ["promote"] and not result["promote_ready"]:
             return JSONResponse(result, status_code=412)
         return JSONResponse(result)
 
@@ -136,3 +152,33 @@ def _public(state) -> dict:
     data = dump(state)
     data.pop("report", None)
     return data
+
+
+def _unix_time(raw: str) -> float | None:
+    """`raw` as a finite number of seconds, else None (nan and inf would silently match nothing)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _action_input_problem(request: Request, body: bytes) -> Response | None:
+    """A 400 for anything an action would otherwise ignore: a body, an unknown, repeated or empty
+    query parameter. Ignoring them acts on more than was asked (a misspelt segment pauses them all).
+    An empty JSON object, what many HTTP clients send on a bare POST, carries nothing and is fine."""
+    if b"".join(body.split()) not in (b"", b"{}", b"null"):
+        return openai_error(400, "this endpoint takes no body; put the segment in the query: ?segment=...",
+                            param="body", code="unexpected_body")
+    for name in request.query_params:
+        if name not in ACTION_PARAMS:
+            return openai_error(400, f"unknown query parameter {name[:40]!r}; this endpoint takes: "
+                                f"{', '.join(ACTION_PARAMS)}", param=name[:40], code="unknown_parameter")
+    values = request.query_params.getlist("segment")
+    if len(values) > 1:
+        return openai_error(400, f"segment given {len(values)} times; name one segment, or leave it out to act "
+                            "on every segment", param="segment", code="invalid_value")
+    if values and not values[0].strip():
+        return openai_error(400, "segment is empty; name a segment, or leave it out to act on every segment",
+                            param="segment", code="invalid_value")
+    return None

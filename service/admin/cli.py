@@ -2,7 +2,8 @@
 
 Each function returns the process exit code: 0 on success, 1 with a one-line
 error on stderr for anything the operator can fix (unreachable URL, missing or
-wrong token, unknown route, a transition the phase does not allow).
+wrong token, unknown route, a transition the phase does not allow), 2 for a
+`--url` that is not an http(s) URL (bad input, as argparse's own errors).
 """
 
 from __future__ import annotations
@@ -29,9 +30,32 @@ PHASE_STYLE = {"rolled_back": "bold red", "promoted": "bold green", "canary": "c
 class AdminError(Exception):
     """A failed admin call, already phrased for the operator."""
 
+    exit_code = 1
 
-def _request(method: str, url: str, path: str, token: str | None) -> Any:
-    full = url.rstrip("/") + path
+
+class BadURLError(AdminError):
+    """A URL flag that is not an http(s) URL: bad input, nothing was asked."""
+
+    exit_code = 2
+
+
+def check_url(flag: str, url: str) -> str:
+    """`url` when it is an http(s)://HOST[:PORT][/PATH] URL, else BadURLError naming the flag and value."""
+    hint = "give http://HOST:PORT, e.g. http://127.0.0.1:8080"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port is what checks it
+    except ValueError as e:
+        raise BadURLError(f"{flag}: {url!r} is not a URL ({e}); {hint}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadURLError(f"{flag}: {url!r} is not an http(s) URL; {hint}")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise BadURLError(f"{flag}: {url!r} contains spaces or control characters; {hint}")
+    return url
+
+
+def _request(method: str, url: str, path: str, token: str | None, flag: str = "--url") -> Any:
+    full = check_url(flag, url).rstrip("/") + path
     req = urllib.request.Request(full, method=method, data=b"" if method == "POST" else None)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
@@ -68,7 +92,7 @@ def _error_message(e: urllib.error.HTTPError) -> str:
 
 def _fail(e: AdminError) -> int:
     print(f"error: {e}", file=sys.stderr)
-    return 1
+    return e.exit_code
 
 
 def _q(route: str) -> str:
@@ -173,9 +197,10 @@ def act(url: str, token: str | None, route: str, action: str, segment: str | Non
 
 # ---- report -------------------------------------------------------------------------------------------
 
-def get_report(url: str, token: str | None, route: str) -> dict:
-    """`GET /admin/rollouts/{route}/report`: {"route", "state", "report"}; AdminError when it fails."""
-    return _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token)
+def get_report(url: str, token: str | None, route: str, flag: str = "--url") -> dict:
+    """`GET /admin/rollouts/{route}/report`: {"route", "state", "report"}; AdminError when it fails
+    (BadURLError, naming `flag`, when `url` is not an http(s) URL)."""
+    return _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token, flag)
 
 
 def report(url: str, token: str | None, route: str, as_json: bool = False) -> int:

@@ -1,0 +1,198 @@
+"""Admin API input: actions refuse a body and unknown query parameters before acting, numeric query
+parameters refuse nan/inf, /analysis refuses an unknown gate, and an unset admin token variable
+makes every admin call 403."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+from starlette.testclient import TestClient
+
+from modelcanary.compose import create_app
+from service.config import parse_config
+from tests.fixtures.servers import proxy_config
+
+pytestmark = pytest.mark.timeout(120)
+ROUTE = "support-bot"
+TOKEN = "adm-" + uuid.uuid4().hex
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def client_for(tmp_path, monkeypatch, token: str | None = TOKEN, **route) -> TestClient:
+    if token is None:
+        monkeypatch.delenv("MODELCANARY_ADMIN_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("MODELCANARY_ADMIN_TOKEN", token)
+    cfg = proxy_config("http://127.0.0.1:9", **route)
+    cfg["state_dir"] = str(tmp_path / "state")
+    return TestClient(create_app(parse_config(cfg)))
+
+
+def error_of(response) -> dict:
+    err = response.json()["error"]
+    assert err["message"] and err["type"] and "code" in err and "param" in err, err
+    return err
+
+
+def phase(client: TestClient) -> dict:
+    return client.get(f"/admin/rollouts/{ROUTE}", headers=AUTH).json()
+
+
+# ---- actions take no body and only ?segment= -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["promote", "pause", "resume", "rollback"])
+@pytest.mark.parametrize("body", [b"{not json", b'{"weight": 7}', b'{"segment": "json"}', b"[]", b'"x"'])
+def test_action_with_a_body_is_refused_before_acting(tmp_path, monkeypatch, action, body):
+    client = client_for(tmp_path, monkeypatch)
+    before = phase(client)
+    r = client.post(f"/admin/rollouts/{ROUTE}/{action}", content=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["code"] == "unexpected_body" and "takes no body" in err["message"]
+    assert "?segment=" in err["message"]
+    assert phase(client) == before
+
+
+def test_action_with_an_empty_body_still_acts(tmp_path, monkeypatch):
+    client = client_for(tmp_path, monkeypatch)
+    r = client.post(f"/admin/rollouts/{ROUTE}/promote", headers=AUTH)
+    assert r.status_code == 200 and r.json()["canary_weight"] > 0
+    r = client.post(f"/admin/rollouts/{ROUTE}/pause", content=b"", headers=AUTH)
+    assert r.status_code == 200 and r.json()["phase"] == "paused"
+    r = client.post(f"/admin/rollouts/{ROUTE}/resume", content=b"{ }", headers=AUTH)  # a bare POST's `{}`
+    assert r.status_code == 200 and r.json()["phase"] != "paused"
+
+
+@pytest.mark.parametrize("query", ["segmnet=json", "weight=7", "segment=json&force=1", "dry_run"])
+def test_action_with_an_unknown_query_parameter_is_refused(tmp_path, monkeypatch, query):
+    client = client_for(tmp_path, monkeypatch)
+    before = phase(client)
+    r = client.post(f"/admin/rollouts/{ROUTE}/pause?{query}", headers=AUTH)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    name = next(p.split("=")[0] for p in query.split("&") if not p.startswith("segment="))
+    assert err["message"] == f"unknown query parameter {name!r}; this endpoint takes: segment"
+    assert err["param"] == name and err["code"] == "unknown_parameter"
+    assert phase(client) == before
+
+
+@pytest.mark.parametrize("query", ["segment=", "segment=json&segment=chat"])
+def test_action_with_an_empty_or_repeated_segment_is_refused(tmp_path, monkeypatch, query):
+    client = client_for(tmp_path, monkeypatch, rollout={"scope": "segment"})
+    for seg in ("json", "chat"):
+        assert client.post(f"/admin/rollouts/{ROUTE}/promote?segment={seg}", headers=AUTH).status_code == 200
+    before = phase(client)
+    r = client.post(f"/admin/rollouts/{ROUTE}/pause?{query}", headers=AUTH)
+    assert r.status_code == 400 and error_of(r)["param"] == "segment", r.text
+    assert phase(client) == before
+
+
+def test_segment_in_body_or_misspelt_does_not_pause_every_segment(tmp_path, monkeypatch):
+    client = client_for(tmp_path, monkeypatch, rollout={"scope": "segment"})
+    for seg in ("json", "chat"):
+        assert client.post(f"/admin/rollouts/{ROUTE}/promote?segment={seg}", headers=AUTH).status_code == 200
+    assert client.post(f"/admin/rollouts/{ROUTE}/pause", content=b'{"segment":"json"}',
+                       headers=AUTH | {"Content-Type": "application/json"}).status_code == 400
+    assert client.post(f"/admin/rollouts/{ROUTE}/pause?segmnet=json", headers=AUTH).status_code == 400
+    segments = phase(client)["segments"]
+    assert segments["json"]["phase"] == segments["chat"]["phase"] == "canary"
+    # the documented form pauses that segment only
+    r = client.post(f"/admin/rollouts/{ROUTE}/pause?segment=json", headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["segments"]["json"]["phase"] == "paused" and r.json()["segments"]["chat"]["phase"] == "canary"
+
+
+def test_action_input_is_checked_on_a_running_proxy(servers):
+    """The same through uvicorn: a malformed body is refused and nothing moves."""
+    sim = servers.simulator()
+    proxy = servers.proxy(proxy_config(sim.url), env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+
+    def call(method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+        req = urllib.request.Request(proxy.url + path, data=body, method=method, headers=AUTH)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    before = call("GET", f"/admin/rollouts/{ROUTE}")[1]
+    status, body = call("POST", f"/admin/rollouts/{ROUTE}/promote", b"{not json")
+    assert status == 400 and body["error"]["code"] == "unexpected_body", body
+    status, body = call("POST", f"/admin/rollouts/{ROUTE}/pause?segmnet=json", b"")
+    assert status == 400 and body["error"]["param"] == "segmnet", body
+    assert call("GET", f"/admin/rollouts/{ROUTE}")[1] == before
+    status, body = call("POST", f"/admin/rollouts/{ROUTE}/promote", b"")
+    assert status == 200 and body["canary_weight"] > 0
+
+
+# ---- numeric query parameters are finite -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("query", ["since=nan", "since=NaN", "since=inf", "since=-inf", "until=nan",
+                                   "until=Infinity", "since=1e400", "since=abc"])
+def test_traffic_refuses_non_finite_bounds(tmp_path, monkeypatch, query):
+    client = client_for(tmp_path, monkeypatch)
+    r = client.get(f"/admin/traffic?{query}", headers=AUTH)
+    assert r.status_code == 400, r.text
+    name = query.split("=")[0]
+    err = error_of(r)
+    assert err["param"] == name and err["code"] == "invalid_value"
+    assert err["message"].startswith(f"{name} must be a unix time in seconds, got ")
+
+
+def test_traffic_accepts_finite_bounds(tmp_path, monkeypatch):
+    client = client_for(tmp_path, monkeypatch)
+    r = client.get("/admin/traffic?since=0&until=1e12", headers=AUTH)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+
+
+# ---- /analysis gate ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("query", ["gate=Promote", "gate=promot", "gate=", "gate=healthy",
+                                   "gate=promote&gate=x"])
+def test_analysis_refuses_an_unknown_gate(tmp_path, monkeypatch, query):
+    client = client_for(tmp_path, monkeypatch)
+    r = client.get(f"/analysis/{ROUTE}?{query}")
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == "gate" and "promote" in err["message"]
+
+
+def test_analysis_gate_promote_and_no_gate(tmp_path, monkeypatch):
+    client = client_for(tmp_path, monkeypatch)
+    r = client.get(f"/analysis/{ROUTE}?gate=promote")
+    assert r.status_code == 412 and r.json()["promote_ready"] is False  # in shadow: not ready
+    r = client.get(f"/analysis/{ROUTE}")
+    assert r.status_code == 200 and "healthy" in r.json()
+
+
+# ---- admin token variable unset ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [None, ""])
+def test_every_admin_call_is_403_when_the_token_variable_is_unset(tmp_path, monkeypatch, token):
+    client = client_for(tmp_path, monkeypatch, token=token)
+    calls = [("GET", "/admin/rollouts"), ("GET", f"/admin/rollouts/{ROUTE}"),
+             ("GET", f"/admin/rollouts/{ROUTE}/report"), ("GET", "/admin/traffic"),
+             ("POST", f"/admin/rollouts/{ROUTE}/promote"), ("POST", "/admin/reload")]
+    for method, path in calls:
+        for headers in ({}, {"Authorization": "Bearer anything"}, {"Authorization": ""}):
+            r = client.request(method, path, headers=headers)
+            assert r.status_code == 403, (method, path, headers, r.text)
+            err = error_of(r)
+            assert err["code"] == "admin_token_not_set"
+            assert "MODELCANARY_ADMIN_TOKEN is not set" in err["message"] and "anything" not in err["message"]
+
+
+def test_with_the_variable_set_no_header_is_still_401(tmp_path, monkeypatch):
+    client = client_for(tmp_path, monkeypatch)
+    r = client.get("/admin/rollouts")
+    assert r.status_code == 401 and error_of(r)["code"] == "missing_token"
+    r = client.get("/admin/rollouts", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 403 and error_of(r)["code"] == "invalid_token"

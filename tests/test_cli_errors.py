@@ -1,0 +1,97 @@
+"""Bad flag values end in one line on stderr naming the flag and the value, and exit 2 (bad input),
+never a traceback: malformed URLs (admin commands, capture --url, replay --against-report) and a
+capture --out that cannot be written (checked before any traffic is fetched)."""
+
+from __future__ import annotations
+
+import pytest
+
+from collectors.golden import dataset
+from tests.fixtures.servers import free_port, proxy_config, write_yaml
+
+BAD_URLS = [("notaurl", "is not an http(s) URL"), ("http://[::1", "Invalid IPv6 URL"),
+            ("ftp://example.org", "is not an http(s) URL"), ("http://127.0.0.1:port", "is not a URL")]
+
+
+def run(capsys, args: list[str]) -> tuple[int, str, str]:
+    from modelcanary.compose import main
+
+    capsys.readouterr()
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str, start: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(start), err
+
+
+@pytest.fixture
+def config(tmp_path):
+    """A config whose provider is nowhere: nothing here may get as far as asking it."""
+    return write_yaml(tmp_path / "c.yaml", proxy_config(f"http://127.0.0.1:{free_port()}"))
+
+
+@pytest.fixture
+def golden(tmp_path):
+    path = tmp_path / "golden.jsonl"
+    dataset.write(path, [dataset.Case(request_id="a", route="support-bot",
+                                      request={"messages": [{"role": "user", "content": "hi"}]})])
+    return path
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_URLS)
+@pytest.mark.parametrize("command", [["status"], ["status", "support-bot"], ["report", "support-bot"],
+                                     ["promote", "support-bot"]])
+def test_admin_commands_refuse_a_malformed_url(capsys, command, url, why):
+    code, _, err = run(capsys, [*command, "--url", url, "--token", "t"])
+    assert code == 2
+    one_error_line(err, f"error: --url: {url!r}")
+    assert why in err and "http://HOST:PORT" in err
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_URLS)
+def test_capture_refuses_a_malformed_url(capsys, tmp_path, config, url, why):
+    out = tmp_path / "c.jsonl"
+    code, _, err = run(capsys, ["capture", "--config", str(config), "--out", str(out), "--url", url])
+    assert code == 2
+    one_error_line(err, f"error: --url: {url!r}")
+    assert why in err and not out.exists()
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_URLS)
+def test_replay_refuses_a_malformed_against_report_url_before_replaying(capsys, config, golden, url, why):
+    code, out, err = run(capsys, ["replay", str(golden), "--candidate", "candidate-m", "--config", str(config),
+                                  "--against-report", url])
+    assert code == 2  # not 1, which a CI gate reads as "confidently worse"
+    one_error_line(err, f"error: --against-report: {url!r}")
+    assert why in err and "replay:" not in out + err
+
+
+def test_capture_refuses_an_out_in_a_missing_directory_before_fetching(capsys, tmp_path, config):
+    out = tmp_path / "nonexistent" / "dir" / "c.jsonl"
+    unreachable = f"http://127.0.0.1:{free_port()}"  # had capture fetched first, it would say so, exit 1
+    code, _, err = run(capsys, ["capture", "--config", str(config), "--out", str(out), "--url", unreachable])
+    assert code == 2
+    one_error_line(err, f"error: --out: cannot write {str(out)!r}")
+    assert f"the directory {str(out.parent)!r} does not exist" in err and "cannot reach" not in err
+
+
+def test_capture_refuses_an_out_that_is_a_directory(capsys, tmp_path, config):
+    code, _, err = run(capsys, ["capture", "--config", str(config), "--out", str(tmp_path),
+                                "--url", f"http://127.0.0.1:{free_port()}"])
+    assert code == 2
+    one_error_line(err, f"error: --out: {str(tmp_path)!r} is a directory")
+    assert "is a directory" in err and "cannot reach" not in err
+
+
+def test_capture_out_check_leaves_an_existing_file_and_creates_none(tmp_path):
+    existing = tmp_path / "old.jsonl"
+    existing.write_text("kept\n")
+    dataset.check_writable(existing)
+    assert existing.read_text() == "kept\n"
+    fresh = tmp_path / "new.jsonl"
+    dataset.check_writable(fresh)
+    assert not fresh.exists()
