@@ -375,3 +375,128 @@ async def test_a_leader_cut_off_from_the_broker_stops_acting_and_a_leader_is_bac
         await b.close()
         broker.stop()
         faults.stop()
+
+
+async def _until(predicate, timeout_s: float) -> None:
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_leader_that_sees_a_higher_epoch_stands_down_and_claims_only_above_it(kafka_broker, tmp_path):
+    """Whether the higher epoch comes on a rollout state it follows or on a LeaderRecord, the leader
+    stops judging at once (no state of its epoch after), and its next term is above the one seen."""
+    from service.rollout.leader import Status, lead
+
+    prefix = "d" + uuid.uuid4().hex[:8]
+    a = make_bus(kafka_broker.bootstrap, tmp_path, prefix, "a")
+    other = make_bus(kafka_broker.bootstrap, tmp_path, prefix, "other")
+    await a.start()
+    await other.start()
+    cfg = make_config()
+    published: list[int] = []
+    book = RolloutBook(cfg, publish=lambda s: (published.append(s.epoch), a.publish("rollouts", s)))
+    seen_at: dict[int, int] = {}  # epoch -> how many states this book had published when it adopted it
+    book.on_change(lambda new, _old: seen_at.setdefault(new.epoch, len(published)))
+    stop = asyncio.Event()
+    follower = Follower(a, book)
+    following = asyncio.create_task(follower.run(stop))
+    la = a.leadership(f"leaders-{prefix}")
+    try:
+        assert await asyncio.wait_for(la.wait_held(stop), 30)
+        epoch = await la.claim("a")
+        assert epoch == 1
+        term = asyncio.create_task(lead(cfg, a, book, la, epoch, Status(), stop))
+        await _until(lambda: 1 in published, 20)  # judging: its first state
+        version = book.get("bot").version
+        other.publish("rollouts", state(version + 1, epoch=5))  # another controller won epoch 5
+        assert await asyncio.wait_for(term, 15) == 5
+        assert book.epoch is None and book.get("bot").epoch == 5
+        assert 1 not in published[seen_at[5]:], published  # nothing of epoch 1 once epoch 5 was seen
+
+        await la.rejoin()  # as `control` does: a new member, which here gets the partition again
+        assert not la.leased()
+        assert await asyncio.wait_for(la.wait_held(stop), 30)
+        epoch = await la.claim("a", floor=5)
+        assert epoch == 6
+        term = asyncio.create_task(lead(cfg, a, book, la, epoch, Status(), stop))
+        await _until(lambda: 6 in published, 20)
+        other.publish("control", LeaderRecord(instance="other", epoch=9, ts=time.time()))
+        assert await asyncio.wait_for(term, 15) == 9
+        assert book.epoch is None
+    finally:
+        stop.set()
+        await following
+        await la.close()
+        await a.close()
+        await other.close()
+
+
+# ---- two `modelcanary control` processes and a broker that comes back empty ---------------------------
+
+
+def _kill_and_restart_empty(broker) -> None:
+    """kill -9 of the broker, then the same port again: memory storage, so it comes back empty."""
+    broker.proc.kill()
+    broker.proc.wait(10)
+    broker.proc = None
+    broker.start()
+
+
+def _route_states(bootstrap: str, prefix: str, route: str) -> list[dict]:
+    """The route's states on the rollouts topic, oldest first; none while the topic does not exist
+    (asked without creating it: the clients' own sends must be what creates it)."""
+    from kafka import KafkaAdminClient
+
+    from service.bus.kafka import read_messages
+
+    topic = f"{prefix}.rollouts"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    try:
+        if topic not in admin.list_topics():
+            return []
+    finally:
+        admin.close()
+    return [m.value for m in read_messages(bootstrap, topic, timeout_s=10) if m.value.get("route") == route]
+
+
+@pytest.mark.timeout(300)
+def test_one_controller_leads_after_the_broker_comes_back_empty(fresh_kafka_broker, servers, tmp_path):
+    """The broker is killed and comes back empty on the same port. Both controllers had stayed
+    `leading` for good (epochs 1 and 2), flooding the rollouts topic: the old leader kept its
+    membership, the other won a new epoch, and the old one never stood down."""
+    from tests.test_kafka_ha import ROUTE, Controller, _assert_no_version_published_twice, _one_leads
+    from tests.test_rollout_kafka import _config, _wait
+
+    broker = fresh_kafka_broker
+    prefix = "e" + uuid.uuid4().hex[:8]
+    cfg = _config("http://127.0.0.1:9", broker.bootstrap, prefix, {"steps": [30, 60], "min_samples_per_step": 80})
+    cfg["control"] = {"interval_s": 0.5, "report_interval_s": 2.0}  # the leader publishes a state every 2 s
+    controllers = [Controller(servers, tmp_path, cfg, name) for name in ("control-a", "control-b")]
+    assert _wait(lambda: _one_leads(controllers), 40), [c.ready() for c in controllers]
+
+    _kill_and_restart_empty(broker)
+    restarted = time.monotonic()
+    # the leader's states reach the new broker once its producer is through the outage
+    assert _wait(lambda: _route_states(broker.bootstrap, prefix, ROUTE), 60, 0.5), "no state after the restart"
+    t0 = time.monotonic()
+    window_s = 15.0  # past the standby's claim, had it one (its producer recovers with the leader's)
+    while time.monotonic() - t0 < window_s:
+        ready = [c.ready() for c in controllers]
+        assert sum(r.get("status") == "leading" for r in ready) <= 1, ready
+        assert sum(c.leader_gauge() for c in controllers) <= 1, ready
+        time.sleep(0.25)
+    assert _wait(lambda: _one_leads(controllers), 20), [c.ready() for c in controllers]
+
+    states = _route_states(broker.bootstrap, prefix, ROUTE)
+    epochs = [s["epoch"] for s in states]
+    assert epochs == sorted(epochs), epochs  # once a newer epoch is out, the old one publishes nothing more
+    _assert_no_version_published_twice(states)
+    # a state per report interval since the restart (what the outage held back included): no flood
+    assert len(states) <= (time.monotonic() - restarted) / 2.0 + 6, (len(states), epochs)
+    for c in controllers:
+        c.proc.stop()

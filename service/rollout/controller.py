@@ -81,11 +81,11 @@ class Controller:
     # ---- timing ---------------------------------------------------------------------------------
     @property
     def interval_s(self) -> float:
-        """At least every min_step_seconds / 10 (and control.interval_s when set)."""
-        options = [rc.rollout.min_step_seconds / 10 for rc in self.config.routes.values() if rc.candidate]
-        if self.config.control.interval_s:
-            options.append(self.config.control.interval_s)
-        return min(max(min(options, default=MAX_INTERVAL_S), MIN_INTERVAL_S), MAX_INTERVAL_S)
+        """control.interval_s when set, else the shortest min_step_seconds / 10; within the bounds."""
+        every = self.config.control.interval_s or min(
+            (rc.rollout.min_step_seconds / 10 for rc in self.config.routes.values() if rc.candidate),
+            default=MAX_INTERVAL_S)
+        return min(max(every, MIN_INTERVAL_S), MAX_INTERVAL_S)
 
     @property
     def config(self) -> Config:

@@ -7,10 +7,14 @@ controller does), and judges; every state it commits carries its epoch. The othe
 with `standby` and export `modelcanary_controller_leader` 0.
 
 A leader that loses the partition, or its lease (cut off from the broker), stops judging at once
-and stands by again. Anything it still publishes carries its old epoch, which every follower ignores
-once the new leader's first state is out (`precedence`): two controllers never both decide one
-route and version. After a kill -9 of the leader, a standby leads within ~10 s (the group's session
-timeout, then a join), plus the time to read the evidence back.
+and stands by again. So does one that sees a higher epoch than its own, on a LeaderRecord or on a
+rollout state it follows: another won the lead without this one being told (a broker that came back
+empty); it joins the leadership group again as a new member and claims only once the group gives it
+the partition afresh, with an epoch above the one that deposed it. Anything it still publishes
+carries its old epoch, which every follower ignores once the new leader's first state is out
+(`precedence`): two controllers never both decide one route and version. After a kill -9 of the
+leader, a standby leads within ~10 s (the group's session timeout, then a join), after a SIGTERM
+within ~7 s (see docs/kubernetes.md), plus the time to read the evidence back.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from aiohttp import web
 from service import metrics
 from service.bus.kafka import KafkaBus, KafkaLeadership
 from service.config import Config
+from service.records import RolloutState
 from service.rollout.book import RolloutBook
 from service.rollout.controller import GROUP, Controller
 from service.rollout.follower import Follower
@@ -109,36 +114,68 @@ def leader_group(config: Config) -> str:
     return f"{GROUP}-leader.{config.events.kafka.topic_prefix}"
 
 
+class Term:
+    """One leadership term: over when `stop` is set, the partition is revoked or lost, or a higher
+    epoch shows (`depose`)."""
+
+    def __init__(self, book: RolloutBook, epoch: int):
+        self.book = book
+        self.epoch = epoch
+        self.over = asyncio.Event()
+        self.deposed_by: int | None = None
+
+    def depose(self, newer: int) -> None:
+        """Stop at once: the book stamps no state with this epoch from now on, and the controller's
+        loop ends before it judges again (it checks `over` after every wait)."""
+        if self.deposed_by is None:
+            log.warning("epoch %d seen while leading epoch %d: deposed, standing by", newer, self.epoch)
+        self.deposed_by = max(newer, self.deposed_by or 0)
+        self.book.epoch = None
+        self.over.set()
+
+    def on_change(self, new: RolloutState, _old: RolloutState | None) -> None:
+        if new.epoch > self.epoch:
+            self.depose(new.epoch)
+
+
 async def lead(config: Config, bus: KafkaBus, book: RolloutBook, leadership: KafkaLeadership, epoch: int,
-               status: Status, stop: asyncio.Event) -> None:
-    """Judge as the leader of `epoch` until `stop` or the partition is revoked or lost; while the lease
-    lapses (a rebalance, a slow broker) judging pauses."""
-    lost = asyncio.Event()
+               status: Status, stop: asyncio.Event) -> int | None:
+    """Judge as the leader of `epoch` until `stop`, the partition is revoked or lost, or a higher epoch
+    shows (returned); while the lease lapses (a rebalance, a slow broker) judging pauses."""
+    term = Term(book, epoch)
 
     async def watch() -> None:
         paused = False
-        while not stop.is_set() and leadership.owned():
+        while not stop.is_set() and leadership.owned() and not term.over.is_set():
             if paused != (not leadership.held()):
                 paused = not paused
                 log.info("leadership lease %s", "lapsed: judging paused" if paused else "renewed: judging again")
+            newer = await leadership.newer_epoch(epoch)
+            if newer is not None:
+                term.depose(newer)
             await asyncio.sleep(WATCH_S)
-        lost.set()
+        term.over.set()
 
-    watcher = asyncio.create_task(watch(), name="leader-lease")
     book.epoch = status.epoch = epoch
+    book.on_change(term.on_change)
+    for state in book.states.values():  # adopted between the claim and now
+        term.on_change(state, None)
+    watcher = asyncio.create_task(watch(), name="leader-lease")
     controller = status.controller = Controller(config, bus, book)
     sub = controller.subscribe()  # joining the group goes on while the evidence is read back
     log.info("leading (epoch %d): rebuilding the evidence", epoch)
     try:
-        await resume_evidence(controller, bus, lost)
-        await controller.run(lost, sub, may_decide=leadership.held)
+        await resume_evidence(controller, bus, term.over)
+        await controller.run(term.over, sub, may_decide=lambda: leadership.held() and not term.over.is_set())
     finally:
+        book.off_change(term.on_change)
         book.epoch = None
         status.controller = None
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
-    if not stop.is_set():
+    if not stop.is_set() and term.deposed_by is None:
         log.warning("leadership (epoch %d) lost; standing by", epoch)
+    return term.deposed_by
 
 
 async def control(config: Config) -> int:
@@ -170,17 +207,21 @@ async def control(config: Config) -> int:
         following = asyncio.create_task(follower.run(stop), name="rollouts")
         leadership = status.leadership = bus.leadership(leader_group(config))
         log.info("%s standing by for the lead", instance)
+        deposed_by = 0
         while await leadership.wait_held(stop):
-            floor = max((s.epoch for s in book.states.values()), default=0)
+            floor = max([deposed_by, *(s.epoch for s in book.states.values())])
             epoch = await leadership.claim(instance, floor)
             if epoch is None:
                 await asyncio.sleep(RETRY_S)
                 continue
             gauge.set(1)
             try:
-                await lead(config, bus, book, leadership, epoch, status, stop)
+                newer = await lead(config, bus, book, leadership, epoch, status, stop)
             finally:
                 gauge.set(0)
+            if newer is not None and not stop.is_set():
+                deposed_by = max(deposed_by, newer)
+                await leadership.rejoin()
     finally:
         stop.set()
         status.stopping = True

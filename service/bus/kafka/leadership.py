@@ -1,5 +1,8 @@
-"""Leadership through Kafka: the member of a consumer group that holds the one partition of
+"""Leadership through Kafka: the member of a consumer group that holds partition 0 of
 `{prefix}.control` leads; the others stand by and get the partition when it leaves or dies.
+Only partition 0 counts: the service creates the topic with one partition, but a broker that came
+back empty may have auto-created it with several when a client sent to it first (Tansu makes 4),
+and then every member would hold one.
 
 The group uses the cooperative sticky assignor, so a member that joins or leaves does not take the
 partition away from the one that holds it (a standby starting up never interrupts the leader).
@@ -15,7 +18,9 @@ A member leaves (`close`) only once no join is under way: a broker may keep a gr
 good when its elected leader leaves in the middle of one (Tansu 0.6 does, new members included).
 
 Each new leader claims the next epoch: it reads the control topic to its end, takes one more than
-the highest epoch written there (or than `floor`), and writes a LeaderRecord before it acts.
+the highest epoch written there (or than `floor`), and writes a LeaderRecord before it acts. A leader
+that sees a higher epoch than its own (`newer_epoch`) was deposed without being told; it `rejoin`s
+as a new member, so that it leads again only if the group gives it the partition afresh.
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ class KafkaLeadership(KafkaSubscription):
         self.joined = False    # a member of the group (its first join is complete)
         self._lease_until = 0.0
         self._warned = False
+        self._warned_partitions = False
 
     def owned(self) -> bool:
-        """The control partition is this member's, and was not revoked since the last claim."""
+        """The control partition (0) is this member's, and was not revoked since the last claim."""
         return self._assigned and not self._revoked
 
     def held(self) -> bool:
@@ -98,25 +104,51 @@ class KafkaLeadership(KafkaSubscription):
             return None
         return epoch
 
+    async def newer_epoch(self, epoch: int) -> int | None:
+        """The highest epoch above `epoch` in the control records buffered since the last call (they
+        are dropped), or None. Only the partitions this member holds are read."""
+        records = await self.get_batch(self._max_buffer, 0)
+        newer = [r.epoch for r in records if isinstance(r, LeaderRecord) and r.epoch > epoch]
+        return max(newer, default=None)
+
+    async def rejoin(self) -> None:
+        """Leave the group (once settled, as `close`) and join it again as a new member: a deposed
+        leader holds no partition until the group assigns it one again."""
+        await self._settle()
+        await self._call(self._leave)
+
     async def close(self) -> None:
         """Leave the group, once a heartbeat answered since the call shows no join under way (at most
         `settle_s` later)."""
+        await self._settle()
+        await super().close()
+
+    async def _settle(self) -> None:
         since = time.monotonic()
         consumer = self._consumer
         while (consumer is not None and time.monotonic() < since + self.settle_s
                and not await self._call(lambda: self._consumer is None or group_settled(self._consumer, since))):
             await asyncio.sleep(0.1)
-        await super().close()
+
+    def _leave(self) -> None:
+        """On the consumer thread: the next turn of its loop builds a new consumer, which joins anew."""
+        self._drop_consumer()
+        self._assigned = False
+        self._lease_until = 0.0
+
+    def _lead_partition(self) -> TopicPartition:
+        return TopicPartition(self._bus.names["control"], 0)
 
     def _purge(self, revoked: set[TopicPartition]) -> None:
         super()._purge(revoked)
-        if revoked:
+        if self._lead_partition() in revoked:
             self._revoked = True
 
     def _after_poll(self, consumer: KafkaConsumer) -> None:
         now = time.monotonic()
         self.joined = self.joined or group_settled(consumer, 0.0)
-        self._assigned = bool(consumer.assignment())
+        self._assigned = self._lead_partition() in consumer.assignment()
+        self._warn_partitions(consumer)
         if not self._assigned:
             self._lease_until = 0.0
             return
@@ -127,3 +159,11 @@ class KafkaLeadership(KafkaSubscription):
                 self._warned = True
             age = 0.0
         self._lease_until = now - age + self.lease_s
+
+    def _warn_partitions(self, consumer: KafkaConsumer) -> None:
+        name = self._lead_partition().topic
+        parts = consumer.partitions_for_topic(name) or set()
+        if len(parts) > 1 and not self._warned_partitions:
+            log.warning("%s has %d partitions (auto-created by the broker?): only partition 0 elects the "
+                        "leader; recreate it with one", name, len(parts))
+        self._warned_partitions = len(parts) > 1

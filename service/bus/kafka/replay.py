@@ -172,6 +172,7 @@ def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
         KafkaConsumer,
         bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
         request_timeout_ms=int(timeout_s * 1000), bootstrap_timeout_ms=int(timeout_s * 1000),
+        allow_auto_create_topics=False,  # asking a missing topic's partitions would create it, with the broker's count
         **client_security(security),
     )
     try:
