@@ -10,7 +10,6 @@ stale. In a source checkout `write` also refreshes the Helm chart's copies
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,12 +66,12 @@ def _in_checkout() -> bool:
 def write(out_dir: str | Path | None = None, chart_dir: str | Path | None = None) -> list[Path]:
     """Write `<out_dir>/json/<uid>.json` (default: this package's directory).
 
-    Also copies every dashboard and the Prometheus rules into the Helm chart:
-    `chart_dir`, or `helm/modelcanary` when running from a source checkout.
-    Returns the paths written.
+    Also copies every dashboard and the Prometheus rules into the Helm chart: `chart_dir`, or, when
+    building into this package in a source checkout, `helm/modelcanary`; a build into `out_dir`
+    writes nothing outside it. Returns the paths written.
     """
     out = Path(out_dir) if out_dir is not None else PACKAGE_DIR
-    chart = Path(chart_dir) if chart_dir is not None else (CHART_DIR if _in_checkout() else None)
+    chart = Path(chart_dir) if chart_dir is not None else (CHART_DIR if out_dir is None and _in_checkout() else None)
     written: list[Path] = []
     models = build_all()
     for uid, model in models.items():
@@ -81,10 +80,7 @@ def write(out_dir: str | Path | None = None, chart_dir: str | Path | None = None
     if chart is not None:
         for uid, model in models.items():
             written.append(_write_text(chart / "files" / "dashboards" / f"{uid}.json", render(model)))
-        rules_copy = chart / "files" / "prometheus" / "rules.yaml"
-        rules_copy.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(RULES_FILE, rules_copy)
-        written.append(rules_copy)
+        written.append(_write_text(chart / "files" / "prometheus" / "rules.yaml", RULES_FILE.read_text(encoding="utf-8")))
     return written
 
 

@@ -125,8 +125,11 @@ def build() -> Dashboard:
     ))
     d = d.with_panel(timeseries(
         "Evaluation throughput",
-        [(f"sum (rate({sel(EVALUATIONS, ROUTE)}[{RATE}]))", "evaluations/s")],
+        [(f"sum (max by (route, model) (sum by (route, model, evaluator) (rate({sel(EVALUATIONS, ROUTE)}[{RATE}]))))",
+          "evaluations/s")],
         unit="ops", width=8,
+        description="Shadow answers evaluated a second (EvaluationRecords), not evaluator results: each "
+                    "evaluation is counted once, by the evaluator that runs on the most of them.",
     ))
     d = d.with_panel(timeseries(
         "Shadow drops by reason",

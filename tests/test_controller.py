@@ -233,6 +233,8 @@ def test_interval_follows_min_step_seconds_and_control_interval():
     assert c.interval_s == pytest.approx(2.0)
     cfg2 = make_config(rollout={"min_step_seconds": 20}, control={"interval_s": 0.5})
     assert Controller(cfg2, MemoryBus(), RolloutBook(cfg2)).interval_s == pytest.approx(0.5)
+    cfg3 = make_config(rollout={"min_step_seconds": 20}, control={"interval_s": 4})  # longer than the default
+    assert Controller(cfg3, MemoryBus(), RolloutBook(cfg3)).interval_s == pytest.approx(4.0)
 
 
 async def test_a_busy_bus_is_judged_every_interval_not_on_every_batch():

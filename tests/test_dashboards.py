@@ -54,6 +54,13 @@ def test_generation_is_deterministic(tmp_path):
     assert (tmp_path / "chart-a" / "files" / "prometheus" / "rules.yaml").read_bytes() == build.RULES_FILE.read_bytes()
 
 
+def test_a_build_into_a_directory_writes_only_there(tmp_path):
+    """`modelcanary dashboards build --out DIR` leaves the installed package's chart alone."""
+    out = tmp_path / "out"
+    written = build.write(out)
+    assert written and all(out in p.parents for p in written), written
+
+
 def test_chart_copies_are_identical():
     for uid in UIDS:
         chart_copy = CHART_FILES / "dashboards" / f"{uid}.json"
