@@ -1,6 +1,7 @@
 """Schemathesis against a running proxy over HTTP, from the app's own /openapi.json (the chat endpoint
 declares its request body there, so there is something to generate). Expectations: no 5xx, every
-4xx has an OpenAI-shaped error body, no response slower than 1 s. Bounded example count."""
+4xx has an error body in its API's shape (OpenAI's; Anthropic's on /v1/messages), no response
+slower than 1 s. Bounded example count."""
 
 from __future__ import annotations
 
@@ -53,7 +54,11 @@ def check(session: requests.Session, base_url: str, case) -> None:
         assert isinstance(body, dict) and isinstance(body.get("error"), dict), f"{label}: {response.text[:300]}"
         err = body["error"]
         assert isinstance(err.get("message"), str) and err["message"], f"{label}: {err}"
-        assert isinstance(err.get("type"), str) and "code" in err and "param" in err, f"{label}: {err}"
+        assert isinstance(err.get("type"), str), f"{label}: {err}"
+        if case.formatted_path == "/v1/messages":  # Anthropic's shape, for the anthropic SDKs
+            assert body.get("type") == "error", f"{label}: {response.text[:300]}"
+        else:
+            assert "code" in err and "param" in err, f"{label}: {err}"
 
 
 @pytest.mark.timeout(300)
