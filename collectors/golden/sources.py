@@ -59,17 +59,14 @@ def from_proxy(url: str, token: str | None, since: float | None, until: float | 
         reason = getattr(e, "reason", e)
         raise SourceError(f"cannot reach the proxy at {full}: {reason} (is `modelcanary serve` running with "
                           f"this config? or pass --url)") from None
-    except ValueError as e:  # http.client.InvalidURL: spaces or control characters
+    except ValueError as e:  # no scheme, a broken IPv6 address, spaces or control characters
         raise SourceError(f"{full!r} is not a URL ({e}); pass --url http://HOST:PORT") from None
     records, undecodable = _decoded(values)
     return records, bad + undecodable
 
 
 def _traffic_request(full: str, token: str | None) -> urllib.request.Request:
-    try:
-        req = urllib.request.Request(full, headers={"Accept": "application/x-ndjson"})
-    except ValueError as e:  # no scheme, a broken IPv6 address: nothing to ask
-        raise SourceError(f"{full!r} is not a URL ({e}); pass --url http://HOST:PORT") from None
+    req = urllib.request.Request(full, headers={"Accept": "application/x-ndjson"})
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     return req
