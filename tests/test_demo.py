@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from service.demo.runner import MAX_UNATTENDED_S
+from service.demo.runner import MAX_UNATTENDED_S, Roll, observe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +39,30 @@ def test_demo_promotes_per_segment_where_the_evidence_is():
     assert "candidate-m picked (select cheapest" in out and "segment tools: shadow → rolled_back" in out
     assert "  candidate-m: promoted in chat, json; ruled out in tools" in out
     assert "  budget-m: ruled out in chat, json, tools" in out  # worse everywhere
+
+
+def test_history_keeps_a_segment_decided_before_it_was_first_seen():
+    """On a slow machine the first state that lists the segments may already carry the controller's
+    first decisions: those are moves out of shadow, and the history shows them."""
+    def state(version: int, **segments: dict) -> dict:
+        return {"phase": "canary", "step_index": 0, "canary_weight": 0.3, "version": version, "segments": segments}
+
+    def seg(phase: str, step: int, reason: str, candidate: str | None = None) -> dict:
+        return {"phase": phase, "step_index": step, "canary_weight": 0.3 if step >= 0 else 0.0,
+                "candidate": candidate, "last_decision": {"reasons": [reason]}}
+
+    roll = Roll()
+    observe({"phase": "shadow", "step_index": -1, "canary_weight": 0.0, "version": 1}, roll, 1.0)
+    observe(state(2, tools=seg("rolled_back", -1, "segment tools, budget-m: worse"),
+                  chat=seg("canary", 0, "segment chat: candidate-m picked", "candidate-m"),
+                  json=seg("shadow", -1, "")), roll, 5.0)
+    observe(state(3, json=seg("canary", 0, "segment json: candidate-m picked", "candidate-m")), roll, 6.0)
+    assert roll.history == [
+        "      5 s  route shadow → canary",
+        "      5 s  segment tools: shadow → rolled_back (0%): segment tools, budget-m: worse",
+        "      5 s  segment chat: shadow → canary (30%, candidate-m): segment chat: candidate-m picked",
+        "      6 s  segment json: shadow → canary (30%, candidate-m): segment json: candidate-m picked",
+    ]
 
 
 @pytest.mark.timeout(MAX_UNATTENDED_S + 90)

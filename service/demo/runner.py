@@ -203,20 +203,28 @@ def _view(stats: dict, roll: Roll, elapsed: float, sent: int) -> Group:
     return Group(table, shadow_line, phase_line, reasons, history, footer)
 
 
+_UNLISTED = {"phase": "shadow", "step_index": -1}  # a segment not in the state yet is in shadow
+
+
 async def _poll_rollout(session: aiohttp.ClientSession, url: str, token: str, roll: Roll, started: float) -> None:
     async with session.get(f"{url}/admin/rollouts/{ROUTE}", headers={"Authorization": f"Bearer {token}"}) as r:
         state = await r.json()
+    observe(state, roll, time.monotonic() - started)
+
+
+def observe(state: dict, roll: Roll, elapsed: float) -> None:
+    """Take in one rollout state read at `elapsed` seconds: its phase changes go to the history."""
     decision = state.get("recommendation") or state.get("last_decision") or {}
     moved = state["phase"] != roll.phase or (state["step_index"] != roll.step and not state.get("segments"))
     if moved and roll.version >= 0 and state.get("segments"):  # each segment's steps are listed below
-        roll.history.append(f"  {time.monotonic() - started:5.0f} s  route {roll.phase} → {state['phase']}")
+        roll.history.append(f"  {elapsed:5.0f} s  route {roll.phase} → {state['phase']}")
     elif moved and roll.version >= 0:
-        roll.history.append(f"  {time.monotonic() - started:5.0f} s  {roll.phase} → {state['phase']}"
+        roll.history.append(f"  {elapsed:5.0f} s  {roll.phase} → {state['phase']}"
                             f" ({state['canary_weight'] * 100:.0f}%): {(state.get('last_decision') or {}).get('reasons', [''])[0]}")
     for name, seg in (state.get("segments") or {}).items():
-        was = roll.segments.get(name)
-        if was is not None and (was["phase"], was["step_index"]) != (seg["phase"], seg["step_index"]):
-            roll.history.append(f"  {time.monotonic() - started:5.0f} s  segment {name}: {was['phase']} → "
+        was = roll.segments.get(name, _UNLISTED)  # first listed already decided: it moved out of shadow
+        if (was["phase"], was["step_index"]) != (seg["phase"], seg["step_index"]):
+            roll.history.append(f"  {elapsed:5.0f} s  segment {name}: {was['phase']} → "
                                 f"{seg['phase']} ({seg['canary_weight'] * 100:.0f}%"
                                 f"{', ' + seg['candidate'] if seg.get('candidate') else ''}): "
                                 f"{(seg.get('last_decision') or {}).get('reasons', [''])[0]}")
