@@ -502,3 +502,34 @@ def test_one_controller_leads_after_the_broker_comes_back_empty(fresh_kafka_brok
     assert len(states) <= (time.monotonic() - restarted) / 2.0 + 6, (len(states), epochs)
     for c in controllers:
         c.proc.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_claim_counts_only_once_the_broker_has_it(fresh_kafka_broker, tmp_path):
+    """After a broker outage the bus's own producer may still be waiting to reconnect while the group
+    already works: a claim sent through it would sit in the spool and count as written. The claim is
+    on the control topic when `claim` returns, and a claim the broker never took is no claim."""
+    from service.bus.kafka import read_messages
+
+    prefix = "c" + uuid.uuid4().hex[:8]
+    fresh_kafka_broker.stop()
+    bus = KafkaBus(KafkaConfig(bootstrap_servers=fresh_kafka_broker.bootstrap, topic_prefix=prefix, partitions=1),
+                   SpoolConfig(dir=str(tmp_path / "spool")), request_timeout_s=2.0, probe_interval_s=(300.0, 300.0))
+    await bus.start()  # the broker is down: its producer's next try is minutes away
+    fresh_kafka_broker.start()
+    stop = asyncio.Event()
+    leadership = bus.leadership(f"leaders-{prefix}")
+    try:
+        assert await asyncio.wait_for(leadership.wait_held(stop), 30)
+        assert not bus.connected
+        assert await leadership.claim("a") == 1
+        control = await asyncio.to_thread(read_messages, fresh_kafka_broker.bootstrap, f"{prefix}.control", 10)
+        assert [(m.value["instance"], m.value["epoch"]) for m in control] == [("a", 1)]
+
+        fresh_kafka_broker.stop()
+        assert await leadership.claim("a", timeout_s=2.0) is None
+        assert bus.spooled == 0  # nothing left to be replayed later as a claim
+    finally:
+        await leadership.close()
+        await bus.close()

@@ -18,7 +18,8 @@ A member leaves (`close`) only once no join is under way: a broker may keep a gr
 good when its elected leader leaves in the middle of one (Tansu 0.6 does, new members included).
 
 Each new leader claims the next epoch: it reads the control topic to its end, takes one more than
-the highest epoch written there (or than `floor`), and writes a LeaderRecord before it acts. A leader
+the highest epoch written there (or than `floor`), and writes a LeaderRecord before it acts: the
+broker's acknowledgement confirms it (never the spool, which holds records for later). A leader
 that sees a higher epoch than its own (`newer_epoch`) was deposed without being told; it `rejoin`s
 as a new member, so that it leads again only if the group gives it the partition afresh.
 """
@@ -98,8 +99,8 @@ class KafkaLeadership(KafkaSubscription):
             return None
         epochs = [m.value.get("epoch") for m in messages]
         epoch = max([floor, *(e for e in epochs if isinstance(e, int))]) + 1
-        bus.publish("control", LeaderRecord(instance=instance, epoch=epoch, ts=time.time()))
-        if not await bus.flush(timeout_s) or not self.held():
+        record = LeaderRecord(instance=instance, epoch=epoch, ts=time.time())
+        if not await asyncio.to_thread(bus.send_confirmed, "control", record, timeout_s) or not self.held():
             log.warning("could not confirm leadership epoch %d in time; standing by", epoch)
             return None
         return epoch

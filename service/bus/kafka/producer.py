@@ -183,6 +183,25 @@ class KafkaBus:
     def subscribe(self, topics: list[Topic], group: str | None) -> KafkaSubscription:
         return KafkaSubscription(self, list(topics), group)
 
+    def send_confirmed(self, topic: Topic, record: Record, timeout_s: float) -> bool:
+        """Blocking (run it on a thread): send one record past the queue and the spool with a producer of
+        its own, and wait for the broker's acknowledgement. False when it did not come in `timeout_s`;
+        nothing is kept for later then. For a leader's claim: a claim in the spool is not a claim."""
+        producer = None
+        try:
+            producer = build_client(KafkaProducer, client_id=f"{self._client_id}-claim", acks="all",
+                                    allow_auto_create_topics=False, max_block_ms=int(timeout_s * 1000),
+                                    **self._client_config())
+            value = json.dumps(dump(record), separators=(",", ":")).encode()
+            producer.send(self.names[topic], key=record_key(topic, record).encode(), value=value).get(timeout_s)
+            return True
+        except Exception as e:
+            log.warning("sending a %s record failed: %s", topic, describe(e))
+            return False
+        finally:
+            if producer is not None:
+                force_close(producer)
+
     def follow(self, topics: list[Topic], keys: Collection[str]) -> KafkaSubscription:
         """Every partition of keyed topics (rollouts, reports): first each of `keys`' latest record,
         found reading back from the end whether or not the broker compacts, then every new record."""
