@@ -424,8 +424,10 @@ class ShadowWorker:
             done = await asyncio.gather(*(self._one(event, key, stable_key, again_task) for key in rc.candidates),
                                         return_exceptions=True)
         finally:
-            if again_task is not None and not again_task.done():
+            if again_task is not None:
                 again_task.cancel()
+                # its failure (over the budget) is every candidate's too, and counted there once
+                again_task.add_done_callback(lambda t: t.cancelled() or t.exception())
         records = [r for r in done if isinstance(r, EvaluationRecord)]
         errors = [r for r in done if isinstance(r, BaseException) and not isinstance(r, OverBudget)]
         if errors and not records:

@@ -423,6 +423,22 @@ def test_replay_with_every_call_unanswered_exits_2_naming_both_sides(tmp_path):
         [("candidate", "connection_error"), ("stable", "connection_error")]
 
 
+def test_replay_with_every_case_skipped_by_the_spend_cap_exits_2(tmp_path):
+    """A cap already spent asks no model at all: that is nothing compared, not "nothing worse"."""
+    golden = chat_cases(tmp_path / "golden.jsonl")
+    config = write_yaml(tmp_path / "capped.yaml",
+                        proxy_config(unreachable_url(), shadow={"max_usd_per_hour": 0}))
+    r = cli(["replay", str(golden), "--candidate", "candidate-m", "--config", str(config)])
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "nothing confidently worse" not in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]
+    error = next(line for line in r.stderr.splitlines() if line.startswith("error:"))
+    assert f"route {ROUTE}: every case was skipped (shadow.max_usd_per_hour reached: 6)" in error
+    r = cli(["replay", str(golden), "--candidate", "candidate-m", "--config", str(config), "--json"])
+    result = json.loads(r.stdout)
+    assert (r.returncode, result["exit_code"], result["routes"][ROUTE]["skipped"]) == \
+        (2, 2, {"shadow.max_usd_per_hour reached": 6})
+
+
 def test_replay_with_only_the_candidate_unanswered_exits_2_naming_the_candidate(servers, tmp_path):
     sim = servers.simulator()
     cfg = proxy_config(sim.url)

@@ -157,7 +157,7 @@ def replay(dataset_path: str, candidate: str, stable: str | None, repeats: int |
         return _bad(str(e))
     finally:
         reporter.close()
-    results, worse, silent = _judged(runs, live, candidate, None if as_json else printing.console())
+    results, worse, silent = _judged(runs, live, candidate, config, None if as_json else printing.console())
     code = BAD_INPUT if silent else 1 if worse else 0
     if as_json:
         body = {"schema": "modelcanary.replay/v1", "dataset": dataset_path, "candidate": candidate,
@@ -167,8 +167,8 @@ def replay(dataset_path: str, candidate: str, stable: str | None, repeats: int |
         print(json.dumps(finite(body), indent=2))
     else:
         print(f"replay: {_summary(code)}")
-    for route, sides in silent.items():
-        print(f"error: {_unanswered_message(route, sides, config)}", file=sys.stderr)
+    for message in silent.values():
+        print(f"error: {message}", file=sys.stderr)
     return code
 
 
@@ -178,10 +178,10 @@ def _summary(code: int) -> str:
     return "something is confidently worse (exit 1)" if code == 1 else "nothing confidently worse (exit 0)"
 
 
-def _judged(runs: dict[str, RouteRun], live: LiveReports | None, candidate: str,
-            out: Console | None) -> tuple[dict, bool, dict[str, list[Unanswered]]]:
-    """(each route's result, whether anything is worse, the sides that answered nothing per route);
-    each route printed on `out` unless None (--json)."""
+def _judged(runs: dict[str, RouteRun], live: LiveReports | None, candidate: str, config: Config,
+            out: Console | None) -> tuple[dict, bool, dict[str, str]]:
+    """(each route's result, whether anything is worse, why nothing could be compared, per route where
+    that is so); each route printed on `out` unless None (--json)."""
     results = {}
     worse = False
     silent = {}
@@ -191,8 +191,9 @@ def _judged(runs: dict[str, RouteRun], live: LiveReports | None, candidate: str,
         agreements = verdicts.against_live(segs, body, candidate) if body is not None else None
         not_compared = live.skipped.get(route) if live is not None else None
         worse = worse or verdicts.WORSE in segs.values()
-        if sides := unanswered(rr):
-            silent[route] = sides
+        sides = unanswered(rr)
+        if sides or not rr.records:
+            silent[route] = _silent_message(route, rr, sides, config)
         results[route] = {**_route_result(rr, segs, agreements), "against_report_skipped": not_compared,
                           "unanswered": [vars(u) for u in sides]}
         if out is not None:
@@ -202,8 +203,13 @@ def _judged(runs: dict[str, RouteRun], live: LiveReports | None, candidate: str,
     return results, worse, silent
 
 
-def _unanswered_message(route: str, sides: list[Unanswered], config: Config) -> str:
-    """One line: which side(s) got no answer on the route, the dominant cause, what to check."""
+def _silent_message(route: str, rr: RouteRun, sides: list[Unanswered], config: Config) -> str:
+    """One line: why nothing could be compared on the route (every case skipped, or which side(s) got
+    no answer, with the dominant cause), and what to check."""
+    if not rr.records:
+        why = ", ".join(f"{reason}: {n}" for reason, n in rr.skipped.items())
+        return (f"replay: route {route}: every case was skipped ({why}), so nothing could be compared; "
+                f"raise the limit in the config given to replay, or replay fewer cases")
     said = [f"the {u.role} {u.model!r} (provider {config.models[u.model].provider}: {u.cause} on "
             f"{u.n_cause} of {u.n_calls} calls)" for u in sides]
     return (f"replay: route {route}: no case got an answer from {' nor from '.join(said)}, so nothing "
