@@ -425,9 +425,7 @@ class ShadowWorker:
                                         return_exceptions=True)
         finally:
             if again_task is not None:
-                again_task.cancel()
-                # its failure (over the budget) is every candidate's too, and counted there once
-                again_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                _noise_floor_ended(route, stable_key, again_task)
         records = [r for r in done if isinstance(r, EvaluationRecord)]
         errors = [r for r in done if isinstance(r, BaseException) and not isinstance(r, OverBudget)]
         if errors and not records:
@@ -615,6 +613,16 @@ async def _collect(config: Config) -> int:
             await runner.cleanup()
     return 0
 
+def _noise_floor_ended(route: str, stable_key: str, task: asyncio.Future) -> None:
+    """Count the noise-floor call once it answered; cancel it when no candidate waited for it. Its
+    failure (over the budget) is the candidates' too, and counted there."""
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    elif not task.cancelled() and task.exception() is None:
+        metrics.shadow_requests_total.labels(route, stable_key, task.result().verdict.outcome).inc()
+
+
 
 def main(config: Config) -> int:
     """`modelcanary collect --config FILE`: shadow workers in Kafka mode until SIGTERM/SIGINT."""
@@ -636,3 +644,4 @@ def main(config: Config) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+

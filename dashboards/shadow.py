@@ -122,6 +122,8 @@ def build() -> Dashboard:
         "Shadow calls by model and outcome",
         [(rate_sum("model, outcome", SHADOW_REQ, ROUTE), "{{model}} · {{outcome}}")],
         unit="reqps", stacked=True, width=8,
+        description="The candidates' calls, and the stable model's when asked again for the noise floor "
+                    "(once per evaluation).",
     ))
     d = d.with_panel(timeseries(
         "Evaluation throughput",

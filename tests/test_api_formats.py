@@ -174,7 +174,8 @@ def test_a_request_on_upstream_state_is_never_shadowed(stack):
     _, proxy = stack
     client = _openai(proxy)
     first = client.responses.create(model="resp-stateful", input="remember 42")
-    assert _wait_for(lambda: _metric(proxy, "modelcanary_shadow_requests_total", route="resp-stateful") >= 1)
+    assert _wait_for(lambda: _metric(proxy, "modelcanary_shadow_requests_total", route="resp-stateful",
+                                     model="candidate-m") >= 1)
     shadowed = _metric(proxy, "modelcanary_shadow_requests_total", route="resp-stateful", model="candidate-m")
     raw = client.responses.with_raw_response.create(model="resp-stateful", previous_response_id=first.id,
                                                     input="what number?")

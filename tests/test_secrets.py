@@ -283,7 +283,8 @@ def test_planted_secrets_appear_in_no_output(kafka_broker, servers, tmp_path):
         # shadow evaluations arrive (the collect process counts each before publishing it) ...
         collect_url = f"http://127.0.0.1:{collect_port}"
         deadline = time.monotonic() + 150
-        while (metric_value(scrape(collect_url), "modelcanary_shadow_requests_total", route=ROUTE) < 24
+        while (metric_value(scrape(collect_url), "modelcanary_shadow_requests_total", route=ROUTE,
+                                 model="candidate-m") < 24
                and time.monotonic() < deadline):
             time.sleep(0.5)
         evaluations: list[dict] = []

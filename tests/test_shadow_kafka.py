@@ -178,7 +178,8 @@ def test_worker_killed_mid_batch_and_restarted_loses_nothing(kafka_broker, serve
     feeder.start()
 
     def done_so_far() -> float:  # the worker's own count (reading a topic while it is written is slow)
-        return metric_value(scrape(collect.metrics_url), "modelcanary_shadow_requests_total")  # type: ignore[attr-defined]
+        return metric_value(scrape(collect.metrics_url), "modelcanary_shadow_requests_total",  # type: ignore[attr-defined]
+                            model="candidate-m")
 
     first = wait_for(lambda: done_so_far() >= 40, 60, 0.1)
     assert first, "the worker never produced evaluations"

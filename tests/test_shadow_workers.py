@@ -147,6 +147,7 @@ def test_records_metrics_dedup_and_skips(sim):
     config = make_config(sim.url, "same-model", concurrency=8)
     before = {
         "requests": value("modelcanary_shadow_requests_total", route=ROUTE, model="candidate-m", outcome="completed"),
+        "again": value("modelcanary_shadow_requests_total", route=ROUTE, model="stable-m", outcome="completed"),
         "similarity": value("modelcanary_shadow_similarity_count", route=ROUTE, model="candidate-m",
                             comparison="candidate")
         + value("modelcanary_shadow_similarity_count", route=ROUTE, model="stable-m", comparison="noise_floor"),
@@ -196,6 +197,8 @@ def test_records_metrics_dedup_and_skips(sim):
     assert segments == {"chat", "json", "tools"}
     after_requests = value("modelcanary_shadow_requests_total", route=ROUTE, model="candidate-m", outcome="completed")
     assert after_requests - before["requests"] == 30
+    again = value("modelcanary_shadow_requests_total", route=ROUTE, model="stable-m", outcome="completed")
+    assert again - before["again"] == 30  # the noise floor: the stable model asked again, once each
     agree = sum(value("modelcanary_shadow_agreement_total", route=ROUTE, model=m, comparison=c, result=r)
                 for m, c in (("candidate-m", "candidate"), ("stable-m", "noise_floor")) for r in ("agree", "disagree"))
     assert agree - before["agree"] == 60
