@@ -68,10 +68,17 @@ def environment_problems(config: Config, proxy: bool) -> list[str]:
     return problems
 
 
-def client_key_notes(config: Config) -> list[str]:
-    """One line per provider that forwards each client's own key upstream (said at start, never silent)."""
-    return [f"provider {name} {reason}: each client's own Authorization header is forwarded to it"
+def config_notes(config: Config) -> list[str]:
+    """What a valid config does that its author may not expect (said at start, never silent): providers
+    that forward each client's own key upstream, and routes whose shadow phase can never end on its own."""
+    keys = [f"provider {name} {reason}: each client's own Authorization header is forwarded to it"
             for name, provider in config.providers.items() if (reason := provider.forwards_client_key())]
+    stuck = [f"route {name}: shadow.sample_rate is 0, so the {rc.rollout.min_shadow_samples} shadow samples of "
+             "rollout.min_shadow_samples never come and the judge never moves the rollout out of shadow: promote "
+             "it by hand, or set rollout.min_shadow_samples: 0"
+             for name, rc in config.routes.items()
+             if rc.candidates and rc.shadow.sample_rate == 0 and rc.rollout.min_shadow_samples > 0]
+    return keys + stuck
 
 
 def _logging(level: str = "INFO") -> None:
@@ -110,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "memory mode is one process", file=sys.stderr)
         return 1
     _logging()
-    for note in client_key_notes(config):
+    for note in config_notes(config):
         log.warning(note)
     from service.proxy.server import GuardedHttpToolsProtocol  # httptools with head size and time limits
 
@@ -184,7 +191,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     routes = ", ".join(f"{name} ({rc.stable}{' → ' + ', '.join(rc.candidates) if rc.candidates else ''})"
                        for name, rc in config.routes.items())
     print(f"{args.file}: ok — {len(config.providers)} provider(s), {len(config.models)} model(s), routes: {routes}")
-    for note in client_key_notes(config):
+    for note in config_notes(config):
         print(f"note: {note}")
     return 0
 

@@ -237,6 +237,9 @@ class RolloutConfig(Strict):
             raise ValueError("needs at least one step")
         if any(b <= a for a, b in zip(v, v[1:])):
             raise ValueError(f"must be strictly increasing percentages, got {v}")
+        if v[-1] == 100:
+            raise ValueError("a step of 100% leaves no stable traffic to judge the candidate against; "
+                             "promotion, after the last step, sends it all the traffic")
         return v
 
     @model_validator(mode="after")

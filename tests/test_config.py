@@ -154,6 +154,24 @@ def test_check_config_says_which_providers_forward_the_clients_key(tmp_path):
     ]
 
 
+def test_check_config_says_which_rollouts_can_never_leave_shadow_on_their_own(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "providers": {"p": {"base_url": "http://127.0.0.1:1/v1", "api_key_env": "PATH"}},
+        "models": {"m": {"provider": "p", "name": "x"}, "n": {"provider": "p", "name": "y"}},
+        "routes": {"off": {"stable": "m", "candidate": "n", "shadow": {"sample_rate": 0}},
+                   "skip": {"stable": "m", "candidate": "n", "shadow": {"sample_rate": 0},
+                            "rollout": {"min_shadow_samples": 0}},
+                   "on": {"stable": "m", "candidate": "n"}},
+    }))
+    result = check_config(path)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("note:")] == [
+        "note: route off: shadow.sample_rate is 0, so the 300 shadow samples of rollout.min_shadow_samples never "
+        "come and the judge never moves the rollout out of shadow: promote it by hand, or set "
+        "rollout.min_shadow_samples: 0"]
+
+
 def test_serve_logs_once_that_the_clients_key_is_forwarded(servers):
     from tests.fixtures.servers import proxy_config
 

@@ -126,6 +126,9 @@ def test_margins_at_their_bounds_pass():
     ({"steps": [1, "50"]}, "routes.bot.rollout.steps.1: Input should be a valid number (got '50')"),
     ({"margins": {"completion_rate": True}},
      "routes.bot.rollout.margins.completion_rate: Input should be a valid number (got True)"),
+    # all the live traffic on the candidate: no stable outcomes in the step's windows, so no verdict ever
+    ({"steps": [50, 100]}, "routes.bot.rollout.steps: a step of 100% leaves no stable traffic to judge the "
+                           "candidate against; promotion, after the last step, sends it all the traffic"),
 ])
 def test_steps_and_margins_are_numbers_not_booleans(rollout, expected):
     data = base()

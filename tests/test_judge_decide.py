@@ -50,6 +50,17 @@ def test_budget_and_alpha_split():
     assert comparisons_budget(no_shadow) < k
 
 
+def test_shadow_without_sampling_says_why_it_never_ends():
+    """With shadow.sample_rate 0 the shadow samples the phase waits for never come: the hold says so."""
+    state, rc, ev = _setup(make_config(shadow={"sample_rate": 0.0}), phase="shadow")
+    reasons = judge(state, rc, ev).decision.reasons
+    assert reasons[0].startswith("shadow: 0/100 shadow samples")
+    assert "shadow.sample_rate is 0: no shadow samples will come; promote by hand, or set " \
+           "rollout.min_shadow_samples: 0" in reasons
+    state, rc, ev = _setup(make_config(), phase="shadow")  # sampling: they are on their way
+    assert not any("sample_rate" in r for r in judge(state, rc, ev).decision.reasons)
+
+
 def test_no_data_holds_never_passes():
     cfg = make_config()
     state, rc, ev = _setup(cfg)

@@ -248,12 +248,12 @@ async def _count_canary(url: str, n: int, session_prefix: str | None) -> int:
 
 def test_weighted_split_and_stickiness(servers):
     sim = servers.simulator()
-    cfg = proxy_config(sim.url, rollout={"steps": [10, 50, 100], "min_step_seconds": 3600, "mode": "advisory",
+    cfg = proxy_config(sim.url, rollout={"steps": [10, 50], "min_step_seconds": 3600, "mode": "advisory",
                                          "max_step_seconds": 7200, "min_shadow_samples": 10**9,
                                          "min_samples_per_step": 10**9})
     proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
     n = 1000
-    for weight in (0.0, 0.10, 0.50, 1.00):
+    for weight in (0.0, 0.10, 0.50):
         status, state = admin(proxy, "GET", "/admin/rollouts/support-bot")
         assert status == 200 and math.isclose(state["canary_weight"], weight), state
         k = asyncio.run(_count_canary(proxy.url, n, session_prefix=None))
@@ -271,9 +271,21 @@ def test_weighted_split_and_stickiness(servers):
                             roles.add(r.headers["x-modelcanary-model"])
                 return roles
             assert len(asyncio.run(sticky())) == 1
-        if weight < 1.0:
-            status, _ = admin(proxy, "POST", "/admin/rollouts/support-bot/promote")
-            assert status == 200
+        status, _ = admin(proxy, "POST", "/admin/rollouts/support-bot/promote")
+        assert status == 200
+    # promoted after the last step: the candidate serves everything, as the route's model now
+    status, state = admin(proxy, "GET", "/admin/rollouts/support-bot")
+    assert (state["phase"], state["canary_weight"]) == ("promoted", 1.0), state
+
+    async def served() -> set[tuple[str, str]]:
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> tuple[str, str]:
+                async with s.post(proxy.url + "/v1/chat/completions", headers={"x-session-id": f"p{i}"},
+                                  json={"model": "support-bot", "messages": [{"role": "user", "content": "a"}]}) as r:
+                    await r.read()
+                    return r.headers["x-modelcanary-model"], r.headers["x-modelcanary-role"]
+            return set(await asyncio.gather(*(one(i) for i in range(200))))
+    assert asyncio.run(served()) == {("candidate-m", "stable")}
 
 
 def test_admin_auth_and_actions(stack):

@@ -399,6 +399,9 @@ def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], 
     lines = []
     if not step_ready:
         lines += _progress(step_samples, needed, age, ro.min_step_seconds, shadow, where)
+        if shadow and rc.shadow.sample_rate == 0 and step_samples < needed:
+            lines.append("shadow.sample_rate is 0: no shadow samples will come; promote by hand, or set "
+                         "rollout.min_shadow_samples: 0")
     elif last:
         if not primary:
             lines.append(f"{where}: overall completion rate has fewer than {ro.min_samples_per_step} samples per arm")
