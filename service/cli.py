@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from service.config import Config, ConfigError, client_keys_problem, load_config
+from service.config import Config, ConfigError, environment_problems, load_config
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -50,22 +50,6 @@ def _config_or_exit(path: str, proxy: bool = False) -> Config:
     except ConfigError as e:
         print(e.explain(), file=sys.stderr)
         raise SystemExit(1) from None
-
-
-def environment_problems(config: Config, proxy: bool) -> list[str]:
-    """What a valid config names in the environment that is missing or unusable ('path: reason'
-    lines, never a value); `proxy`: also the client keys, which only the proxy reads."""
-    problems = []
-    if config.events.backend == "kafka":
-        from service.bus.kafka.admin import client_security
-
-        try:
-            client_security(config.events.kafka.security)  # `<key>_env` variables must be set
-        except ValueError as e:
-            problems.append(str(e))
-    if proxy and (client_keys := client_keys_problem(config.server)) is not None:
-        problems.append(client_keys)
-    return problems
 
 
 def config_notes(config: Config) -> list[str]:

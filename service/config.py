@@ -6,7 +6,8 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -69,8 +70,13 @@ class ProviderConfig(Strict):
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError(f"must be an http(s) URL, got {v!r}")
+        try:
+            parts = urlsplit(v)
+            port_ok = parts.port is None or parts.port > 0  # .port raises on one out of range or not a number
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or re.search(r"\s", v):
+            raise ValueError(f"must be an http(s) URL with a host and a valid port, got {redacted_url(v)!r}")
         return v.rstrip("/")
 
     def forwards_client_key(self) -> str | None:
@@ -328,6 +334,28 @@ class KafkaSecurity(Strict):
             raise ValueError(f"{both[0]} and {both[0]}_env are both set: give the value or the variable, not both")
         return self
 
+    def resolved(self) -> dict[str, Any]:
+        """kafka-python keyword arguments, `<key>_env` variables read. A ValueError names the key and
+        the variable, never a value."""
+        out: dict[str, Any] = {}
+        for key in self.keys():
+            value = getattr(self, key)
+            variable = getattr(self, f"{key}_env")
+            if variable is not None:
+                resolved = os.environ.get(variable)
+                if resolved is None:
+                    raise ValueError(f"events.kafka.security.{key}_env: environment variable {variable!r} is not set")
+                try:
+                    value = getattr(KafkaSecurity.model_validate({key: resolved}), key)
+                except ValidationError:
+                    raise ValueError(f"events.kafka.security.{key}_env: the value of {variable!r} "
+                                     f"is not a valid {key}") from None
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            if value is not None:
+                out[key] = value
+        return out
+
 
 class TopicRetention(Strict):
     """Hours the broker keeps each event topic's records. A controller rebuilds its evidence from the
@@ -465,6 +493,21 @@ class ConfigProblems(ValueError):
         super().__init__("; ".join(f"{_path(loc)}: {msg}" for loc, msg in problems))
 
 
+def environment_problems(config: Config, proxy: bool) -> list[str]:
+    """What a valid config names in the environment that is missing or unusable ('path: reason'
+    lines, never a value); `proxy`: also the client keys, which only the proxy reads."""
+    problems = []
+    security = config.events.kafka.security
+    if config.events.backend == "kafka" and security is not None:
+        try:
+            security.resolved()  # `<key>_env` variables must be set
+        except ValueError as e:
+            problems.append(str(e))
+    if proxy and (client_keys := client_keys_problem(config.server)) is not None:
+        problems.append(client_keys)
+    return problems
+
+
 class ConfigError(Exception):
     """A config that can't be used; `problems` are 'path: reason' lines."""
 
@@ -487,6 +530,15 @@ def _path(loc: tuple) -> str:
                     else str(p) for p in loc) or "(top level)"
 
 
+_SECRET_FIELD = re.compile(r"password|secret|token", re.IGNORECASE)
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def redacted_url(text: str) -> str:
+    """`text` with any URL's user:password@ shown as ***@: a value quoted in an error is logged."""
+    return _USERINFO.sub("***@", text)
+
+
 def _describe(err: ValidationError) -> list[str]:
     lines = []
     for e in err.errors():
@@ -502,9 +554,11 @@ def _describe(err: ValidationError) -> list[str]:
             msg = "required field is missing"
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            if "input" in e and kind not in ("model_type", "dict_type") and not isinstance(e["input"], (dict, list)):
+            secret = any(isinstance(p, str) and _SECRET_FIELD.search(p) for p in loc)
+            if ("input" in e and kind not in ("model_type", "dict_type") and not isinstance(e["input"], (dict, list))
+                    and not secret and not (kind == "value_error" and "got " in msg)):
                 msg += f" (got {e['input']!r})"
-        lines.append(f"{_path(loc)}: {msg}")
+        lines.append(f"{_path(loc)}: {redacted_url(msg)}")
     return lines
 
 

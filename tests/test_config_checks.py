@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.cli import environment_problems
-from service.config import ConfigError, parse_config
+from service.config import ConfigError, environment_problems, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 UNSET = "MC_TEST_UNSET_VARIABLE"
@@ -223,3 +222,31 @@ def test_simulate_on_a_port_in_use_says_so_in_one_line(tmp_path):
     assert result.returncode == 3, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ERROR:") and "[Errno 98]" in lines[0], result.stderr
+
+
+# ---- 5. URLs that can't be called, and values that must not be shown ---------------------------------
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/v1", "http://127.0.0.1:0/v1", "http://127.0.0.1:x/v1",
+                                 "http:///v1", "ftp://host/v1"])
+def test_a_base_url_the_proxy_could_never_call_is_a_config_error(url):
+    """They passed check-config, then `serve` died with a traceback ("Port out of range")."""
+    data = base()
+    data["providers"]["p"]["base_url"] = url
+    with pytest.raises(ConfigError) as e:
+        parse_config(data)
+    assert e.value.problems == [f"providers.p.base_url: must be an http(s) URL with a host and a valid port, "
+                                f"got {url!r}"]
+
+
+def test_config_errors_never_show_a_secret():
+    data = base(events={"backend": "kafka", "kafka": {"security": {"sasl_plain_password": 98765432123}}})
+    data["providers"]["p"]["base_url"] = "htp://user:sk-in-the-url-42@host/v1"
+    with pytest.raises(ConfigError) as e:
+        parse_config(data)
+    text = "\n".join(e.value.problems)
+    assert "98765432123" not in text and "sk-in-the-url-42" not in text, text
+    assert e.value.problems == [
+        "providers.p.base_url: must be an http(s) URL with a host and a valid port, got 'htp://***@host/v1'",
+        "events.kafka.security.sasl_plain_password: Input should be a valid string",
+    ]

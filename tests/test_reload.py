@@ -75,3 +75,65 @@ def test_reload_starts_a_new_rollout_and_moves_the_shadow_workers(servers):
     state = call(proxy, "GET", "/admin/rollouts/support-bot")[1]
     assert state["candidate"] == "candidate-m" and state["phase"] == "shadow"
     assert proxy.proc.poll() is None
+
+
+def write(proxy, change) -> None:
+    cfg = yaml.safe_load(proxy.config_path.read_text())
+    change(cfg)
+    proxy.config_path.write_text(yaml.safe_dump(cfg))
+
+
+def test_reload_refuses_what_serve_refuses_and_keeps_serving(servers, monkeypatch):
+    """A client key variable that is unset (or a base_url whose port can't be) would lock every client
+    out or break every call: the reload is refused with the field, as check-config and serve refuse it."""
+    monkeypatch.delenv("MC_RELOAD_UNSET_KEYS", raising=False)
+    sim = servers.simulator()
+    proxy = servers.proxy(proxy_config(sim.url), env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+
+    write(proxy, lambda cfg: cfg.setdefault("server", {}).update(client_keys_env="MC_RELOAD_UNSET_KEYS"))
+    status, body = call(proxy, "POST", "/admin/reload")
+    assert (status, body["error"]["code"]) == (400, "invalid_config"), body
+    assert "server.client_keys_env: environment variable 'MC_RELOAD_UNSET_KEYS' is not set" in body["error"]["message"]
+    client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "still served"}])
+
+    write(proxy, lambda cfg: (cfg["server"].pop("client_keys_env"),
+                              cfg["providers"]["sim"].update(base_url="http://127.0.0.1:99999/v1")))
+    status, body = call(proxy, "POST", "/admin/reload")
+    assert (status, body["error"]["code"]) == (400, "invalid_config"), body
+    assert "providers.sim.base_url: must be an http(s) URL with a host and a valid port" in body["error"]["message"]
+    client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "still served"}])
+
+
+def test_reload_applies_tracing_to_live_calls(servers):
+    """tracing.capture_content switched off by a reload: the next live span carries no prompt."""
+    from tests.test_tracing import Receiver, attrs
+
+    receiver = Receiver()
+    try:
+        sim = servers.simulator()
+        cfg = proxy_config(sim.url)
+        cfg["tracing"] = {"otlp_endpoint": receiver.url, "capture_content": True}
+        proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN, "OTEL_BSP_SCHEDULE_DELAY": "100"})
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+
+        def live_span_of(prompt: str) -> dict:
+            client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": prompt}])
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                spans = [attrs(s) for s in receiver.spans()]
+                mine = [a for a in spans if a.get("modelcanary.role") == "stable"]
+                if len(mine) >= len(seen) + 1:
+                    seen.append(mine[-1])
+                    return mine[-1]
+                time.sleep(0.05)
+            raise AssertionError(f"no span for {prompt!r}")
+
+        seen: list[dict] = []
+        assert "BEFORE-RELOAD" in live_span_of("BEFORE-RELOAD")["gen_ai.input.messages"]
+        write(proxy, lambda c: c["tracing"].update(capture_content=False))
+        assert call(proxy, "POST", "/admin/reload")[0] == 200
+        after = live_span_of("AFTER-RELOAD")
+        assert "gen_ai.input.messages" not in after and "gen_ai.output.messages" not in after, after
+    finally:
+        receiver.close()

@@ -25,7 +25,7 @@ from service import metrics
 from service.admin.api import admin_router
 from service.admin.traffic import RecentTraffic
 from service.bus import EventBus, make_bus
-from service.config import Config, ConfigError, load_config
+from service.config import Config, ConfigError, environment_problems, load_config
 from service.errors import openai_error
 from service.feedback import unmatched_route
 from service.proxy.chat import BadRequest, Proxy
@@ -116,6 +116,7 @@ class Runtime:
         self.book = RolloutBook(config, persist_path=persist, publish=self._publish_rollout)
         self.providers = make_providers(config)
         self.tracing = Tracing(config.tracing)
+        self._retired_tracing: list[Tracing] = []  # replaced by a reload; their spans end and flush at close
         self.sampler = ShadowSampler(config)
         self.recorder = Recorder(config, self.bus, self.sampler,
                                  lambda route, segment: judging(self.book.states.get(route), segment))
@@ -178,12 +179,22 @@ class Runtime:
         await self.bus.close()
         for provider in self.providers.values():
             await provider.close()
-        self.tracing.shutdown()
+        for tracing in (*self._retired_tracing, self.tracing):
+            tracing.shutdown()
 
     def reload(self) -> list[str]:
+        """Apply the config file again, or raise ConfigError and keep the running config: also for what
+        `serve` would refuse at start (environment_problems)."""
         if not self.config_path:
             raise ValueError("the proxy was started without a config file; nothing to reload")
         config = load_config(self.config_path)
+        problems = environment_problems(config, proxy=True)
+        if problems:
+            raise ConfigError(self.config_path, problems)
+        if config.tracing != self.config.tracing:
+            self._retired_tracing.append(self.tracing)
+            self.tracing = Tracing(config.tracing)
+            self.proxy.tracing = self.tracing if self.tracing.enabled else None
         for name, cfg in config.providers.items():
             if name not in self.config.providers or cfg != self.config.providers[name]:
                 old = self.providers.get(name)

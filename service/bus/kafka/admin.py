@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from typing import Any
 
 from kafka import KafkaAdminClient
 from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
-from pydantic import SecretStr, ValidationError
 
 from service.bus.base import KEYED_TOPICS, TOPICS, Topic
 from service.config import KafkaConfig, KafkaSecurity
@@ -20,28 +18,8 @@ _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 
 
 def client_security(security: KafkaSecurity | None) -> dict[str, Any]:
-    """kafka-python keyword arguments from `events.kafka.security`, `<key>_env` variables read.
-    Errors name the key and the variable, never a value."""
-    out: dict[str, Any] = {}
-    if security is None:
-        return out
-    for key in KafkaSecurity.keys():
-        value = getattr(security, key)
-        variable = getattr(security, f"{key}_env")
-        if variable is not None:
-            resolved = os.environ.get(variable)
-            if resolved is None:
-                raise ValueError(f"events.kafka.security.{key}_env: environment variable {variable!r} is not set")
-            try:
-                value = getattr(KafkaSecurity.model_validate({key: resolved}), key)
-            except ValidationError:
-                raise ValueError(f"events.kafka.security.{key}_env: the value of {variable!r} "
-                                 f"is not a valid {key}") from None
-        if isinstance(value, SecretStr):
-            value = value.get_secret_value()
-        if value is not None:
-            out[key] = value
-    return out
+    """kafka-python keyword arguments from `events.kafka.security` (KafkaSecurity.resolved)."""
+    return {} if security is None else security.resolved()
 
 
 _CODEC_PACKAGES = {"gzip": ("has_gzip", "(standard library)"), "snappy": ("has_snappy", "python-snappy"),
