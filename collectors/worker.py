@@ -187,7 +187,7 @@ class ShadowClient:
         self.spend.add(route, result.cost_usd, share=share)
         result.span = span
         if finish_span:
-            end_span(result, body)
+            end_span(result, body, fmt)
         return result
 
     def format_of(self, model_key: str, body: dict) -> ApiFormat:
@@ -233,20 +233,24 @@ class ShadowClient:
                           retries=attempt.retries, input_tokens=usage.total_input, output_tokens=usage.output)
 
 
-class ShareCaller:
-    """The client as the evaluators of one candidate's record see it: their calls are paid from that
-    candidate's share of the route's shadow budget."""
+class RecordCaller:
+    """The client as the evaluators of one candidate's record see it: their calls' spans link to the
+    live call's, and on a route with several candidates they are paid from `share`, that candidate's
+    share of the route's shadow budget."""
 
-    def __init__(self, client: ShadowClient, candidate: str):
+    def __init__(self, client: ShadowClient, link_traceparent: str | None, share: str | None):
         self.client = client
-        self.candidate = candidate
+        self.link_traceparent = link_traceparent
+        self.share = share
 
     async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None) -> ShadowCall:
-        return await self.client.call(route, model_key, body, checks, share=self.candidate)
+        return await self.client.call(route, model_key, body, checks, link_traceparent=self.link_traceparent,
+                                      share=self.share)
 
 
-def end_span(call: ShadowCall, body: dict) -> None:
-    """End a shadow call's span with its outcome (no-op without tracing)."""
+def end_span(call: ShadowCall, body: dict, fmt: ApiFormat) -> None:
+    """End a shadow call's span with its outcome (no-op without tracing). Its content is the chat
+    view of the request (`body`, in `fmt`) and of the answer, as on the live span."""
     span = call.span
     if span is None:
         return
@@ -255,7 +259,7 @@ def end_span(call: ShadowCall, body: dict) -> None:
                 output_tokens=call.output_tokens,
                 finish_reasons=[c.get("finish_reason") for c in response.get("choices") or ()
                                 if isinstance(c, dict) and c.get("finish_reason")],
-                cause=call.verdict.cause, prompt=body.get("messages"), completion=response.get("choices"))
+                cause=call.verdict.cause, prompt=fmt.view(body).get("messages"), completion=response.get("choices"))
 
 
 # ---- the worker ----------------------------------------------------------------------------------
@@ -449,8 +453,8 @@ class ShadowWorker:
             stable_again = await asyncio.shield(again_task) if again_task is not None else None
             return await self._score(event, stable_key, candidate, stable_again)
         finally:
-            if candidate is not None:
-                end_span(candidate, request)  # after the evaluations were added to it
+            if candidate is not None:  # after the evaluations were added to its span
+                end_span(candidate, request, self.client.format_of(candidate_key, request))
 
     async def _score(self, event: TrafficEvent, stable_key: str, candidate: ShadowCall,
                      stable_again: ShadowCall | None) -> EvaluationRecord:
@@ -461,7 +465,7 @@ class ShadowWorker:
         request = event.request
         fmt = self.client.format_of(stable_key, request)
         live = fmt.chat_view(event.primary.body)
-        caller = ShareCaller(self.client, candidate_key) if len(rc.candidates) > 1 else self.client
+        caller = RecordCaller(self.client, event.traceparent, candidate_key if len(rc.candidates) > 1 else None)
         ctx = EvalContext(config=config, route=route, route_cfg=rc, event=event, request=request, view=fmt.view(request),
                           live=live, candidate=candidate, stable_again=stable_again,
                           caller=caller, embedder=self.embedders.for_route(rc))

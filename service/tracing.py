@@ -99,10 +99,12 @@ class Tracing:
         provider: str,
         traceparent: str | None,
         stream: bool,
+        tracestate: str | None = None,
         link_traceparent: str | None = None,
     ) -> CallSpan | None:
-        """Start the span of one upstream call. `traceparent` is the client's W3C header (the
-        span's parent); a shadow call passes the live call's traceparent as `link_traceparent`."""
+        """Start the span of one upstream call. `traceparent` and `tracestate` are the client's W3C
+        headers (the span's parent, whose tracestate the span and the upstream request carry on); a
+        shadow call passes the live call's traceparent as `link_traceparent`."""
         if self._tracer is None:
             return None
         links = ()
@@ -120,7 +122,7 @@ class Tracing:
         }
         span = self._tracer.start_span(
             f"{OPERATION} {request_model}",
-            context=_context_from(traceparent),
+            context=_context_from(traceparent, tracestate),
             kind=SpanKind.CLIENT,
             attributes=attributes,
             links=links,

@@ -6,7 +6,9 @@ opentelemetry-proto ExportTraceServiceRequest messages the SDK's exporter posts.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import json
 import threading
 import time
 import zlib
@@ -287,3 +289,172 @@ def test_unsampled_or_invalid_client_traceparent(receiver):
     assert spans[0].trace_id.hex() != CLIENT_TRACE_ID
     assert not spans[0].parent_span_id
     assert "error.type" not in attrs(spans[0])
+
+
+# ---- through the proxy and the shadow workers ------------------------------------------------------
+# The proxy in process (its app, on a TestClient) and the shadow workers on the traffic it sampled,
+# against the simulator (a subprocess) for Chat Completions, the Responses API and Anthropic Messages.
+
+SYSTEM_TEXT = "answer as the order desk"
+USER_TEXT = "where is my order 5151?"
+CLIENT_TRACESTATE = "vendor1=opaque-value,congo=t61rcWkgMzE"
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    from tests.fixtures.servers import SIM_MODEL, sim_config, start_simulator
+
+    models = {"good-model": SIM_MODEL, "new-model": SIM_MODEL, "judge-model": {**SIM_MODEL, "judge": True}}
+    server = start_simulator(tmp_path_factory.mktemp("tracing-sim"), sim_config(models))
+    yield server
+    server.stop()
+
+
+def stack_config(sim_url: str, otlp_url: str, tmp_path, capture_content: bool = False) -> dict:
+    shadow = {"sample_rate": 1.0, "max_per_minute": 100_000, "noise_floor": True, "stability": {"sample_rate": 0.0}}
+    return {
+        "providers": {"sim": {"base_url": sim_url + "/v1", "timeout_s": 5, "max_retries": 0},
+                      "claude": {"base_url": sim_url + "/v1", "api": "anthropic", "timeout_s": 5, "max_retries": 0}},
+        "models": {"stable-m": {"provider": "sim", "name": "good-model"},
+                   "candidate-m": {"provider": "sim", "name": "new-model"},
+                   "other-m": {"provider": "sim", "name": "new-model"},
+                   "judge-m": {"provider": "sim", "name": "judge-model"},
+                   "stable-a": {"provider": "claude", "name": "good-model"},
+                   "candidate-a": {"provider": "claude", "name": "new-model"}},
+        "routes": {
+            "chat-r": {"stable": "stable-m", "candidate": "candidate-m", "shadow": shadow},
+            "resp-r": {"stable": "stable-m", "candidate": "candidate-m", "shadow": shadow},
+            "claude-r": {"stable": "stable-a", "candidate": "candidate-a", "shadow": shadow},
+            # every evaluator that asks a model itself: stability re-asks and the pairwise judge
+            "judged-r": {"stable": "stable-m", "candidate": "candidate-m",
+                         "shadow": {**shadow, "judge": {"model": "judge-m"}, "stability": {"sample_rate": 1.0, "k": 3}}},
+            "judged-2-r": {"stable": "stable-m", "candidates": ["candidate-m", "other-m"], "rollout": {"scope": "segment"},
+                           "shadow": {**shadow, "judge": {"model": "judge-m"}, "stability": {"sample_rate": 1.0, "k": 3}}},
+        },
+        "tracing": {"otlp_endpoint": otlp_url, "capture_content": capture_content},
+        "state_dir": str(tmp_path / "state"),
+    }
+
+
+REQUESTS: dict[str, tuple[str, dict, dict]] = {  # route -> (path, body, extra headers)
+    "chat-r": ("/v1/chat/completions", {"messages": [{"role": "system", "content": SYSTEM_TEXT},
+                                                     {"role": "user", "content": USER_TEXT}]}, {}),
+    "resp-r": ("/v1/responses", {"instructions": SYSTEM_TEXT, "input": USER_TEXT}, {}),
+    "claude-r": ("/v1/messages", {"system": SYSTEM_TEXT, "max_tokens": 200,
+                                  "messages": [{"role": "user", "content": USER_TEXT}]},
+                 {"anthropic-version": "2023-06-01"}),
+}
+
+
+def answer_text(route: str, answer: dict) -> str:
+    """The text of a client's answer, in its API's shape."""
+    if route == "resp-r":
+        return "".join(p["text"] for item in answer["output"] if item["type"] == "message"
+                       for p in item["content"] if p["type"] == "output_text")
+    if route == "claude-r":
+        return "".join(b["text"] for b in answer["content"] if b["type"] == "text")
+    return answer["choices"][0]["message"]["content"]
+
+
+def through_the_stack(config_dict: dict, routes: list[str], headers: dict[str, str]) -> dict[str, dict]:
+    """One live request per route through the proxy, then the shadow workers on the traffic it
+    sampled; returns each route's answer as its client got it."""
+    from starlette.testclient import TestClient
+
+    from collectors.worker import ShadowWorker
+    from service.bus.memory import MemoryBus
+    from service.config import parse_config
+    from service.proxy.app import create_app
+    from service.upstream import make_providers
+
+    config = parse_config(config_dict)
+    app = create_app(config)
+    traffic = app.state.runtime.bus.subscribe(["traffic"], group="tracing-test")
+    answers, events = {}, []
+    with TestClient(app) as client:
+        for route in routes:
+            path, body, extra = REQUESTS.get(route, REQUESTS["chat-r"])
+            r = client.post(path, json={"model": route, **body}, headers={**headers, **extra})
+            assert r.status_code == 200, r.text
+            answers[route] = r.json()
+        deadline = time.monotonic() + 10
+        while len(events) < len(routes) and time.monotonic() < deadline:
+            events += client.portal.call(traffic.get_batch, 100, 0.2)
+    assert sorted(e.route for e in events) == sorted(routes)
+
+    async def shadow() -> None:
+        tracing = Tracing(config.tracing, service_name="modelcanary-collect")
+        providers = make_providers(config)
+        try:
+            worker = ShadowWorker(config, MemoryBus(), providers, tracing)
+            for event in events:
+                assert await worker.handle(event) is not None
+        finally:
+            for p in providers.values():
+                await p.close()
+            tracing.shutdown()
+
+    asyncio.run(shadow())
+    return answers
+
+
+def spans_of(receiver: Receiver, route: str) -> tuple[Span, list[Span]]:
+    """The route's live span and its shadow spans."""
+    spans = [s for s in receiver.spans() if attrs(s).get("modelcanary.route") == route and s.name.startswith("chat ")]
+    (live,) = [s for s in spans if attrs(s)["modelcanary.role"] != "shadow"]
+    return live, [s for s in spans if attrs(s)["modelcanary.role"] == "shadow"]
+
+
+def test_every_shadow_call_links_to_the_live_span(sim, receiver, tmp_path):
+    """Stability re-asks and judge calls too, with one candidate and with several (DESIGN §7)."""
+    routes = ["judged-r", "judged-2-r"]
+    through_the_stack(stack_config(sim.url, receiver.url, tmp_path), routes, {"traceparent": CLIENT_TRACEPARENT})
+    # per candidate: its call, k-1 = 2 stability re-asks, 2 judge comparisons in 2 orders; once per
+    # record: the stable model asked again (the noise floor), and 1 more time for its stability
+    expected = {"judged-r": 1 + 2 + 4 + 2, "judged-2-r": 2 * (1 + 2 + 4) + 1 + 2}
+    receiver.wait_spans(sum(expected.values()) + len(routes))
+    for route in routes:
+        live, shadow = spans_of(receiver, route)
+        assert live.trace_id.hex() == CLIENT_TRACE_ID
+        models = {attrs(s)["gen_ai.request.model"] for s in shadow}
+        assert models == {"good-model", "new-model", "judge-model"}
+        assert len(shadow) == expected[route]
+        for span in shadow:
+            assert [(lk.trace_id, lk.span_id) for lk in span.links] == [(live.trace_id, live.span_id)], \
+                (route, span.name)
+
+
+def test_content_is_recorded_alike_for_every_api(sim, receiver, tmp_path):
+    """With capture_content, live and shadow spans of Chat Completions, Responses and Messages carry
+    the conversation and the answer, each as its chat view (the same for the same conversation)."""
+    routes = list(REQUESTS)
+    answers = through_the_stack(stack_config(sim.url, receiver.url, tmp_path, capture_content=True), routes, {})
+    receiver.wait_spans(3 * len(routes))
+    conversation = [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": USER_TEXT}]
+
+    def content(span: Span) -> tuple[object, str | None]:
+        """(the input messages, the first choice's text) a span recorded."""
+        a = attrs(span)
+        output = json.loads(a.get("gen_ai.output.messages", "[]"))
+        return (json.loads(a.get("gen_ai.input.messages", "null")),
+                output[0]["message"]["content"] if output and output[0]["message"]["role"] == "assistant" else None)
+
+    recorded, expected = {}, {}
+    for route in routes:
+        live, shadow = spans_of(receiver, route)
+        assert len(shadow) == 2  # the candidate and the stable model asked again
+        recorded[route] = [content(live)] + [(m, bool(text)) for m, text in map(content, shadow)]
+        expected[route] = [(conversation, answer_text(route, answers[route]))] + [(conversation, True)] * 2
+    assert recorded == expected
+
+
+def test_client_tracestate_is_carried_on(sim, receiver, tmp_path):
+    """A client's W3C tracestate stays with its trace: on the live span (and so upstream)."""
+    routes = ["chat-r", "resp-r", "claude-r"]
+    through_the_stack(stack_config(sim.url, receiver.url, tmp_path), routes,
+                      {"traceparent": CLIENT_TRACEPARENT, "tracestate": CLIENT_TRACESTATE})
+    receiver.wait_spans(3 * len(routes))
+    for route in routes:
+        live, _ = spans_of(receiver, route)
+        assert live.trace_id.hex() == CLIENT_TRACE_ID and live.parent_span_id.hex() == CLIENT_SPAN_ID
+        assert live.trace_state == CLIENT_TRACESTATE, route

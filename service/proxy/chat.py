@@ -179,7 +179,8 @@ class Proxy:
             up_headers["Authorization"] = auth
         if self.tracing is not None:
             call.span = self.tracing.start_call(route=route, role=role, request_model=model.name,
-                                                provider=model.provider, traceparent=call.traceparent, stream=call.stream)
+                                                provider=model.provider, traceparent=call.traceparent,
+                                                tracestate=headers.get("tracestate"), stream=call.stream)
             assert call.span is not None  # enabled tracing starts a span
             up_headers.update(call.span.upstream_headers())
         elif call.traceparent:

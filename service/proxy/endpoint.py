@@ -81,7 +81,7 @@ class FormatEndpoint:
         call = Call(request_id=request_id, route=route, model_key=model_key, role=role, segment=segment,
                     started=started, request=body, session_key=session_key, stream=bool(stream),
                     no_shadow=headers.get("x-modelcanary-no-shadow") == "1",
-                    traceparent=headers.get("traceparent"), stateful=stateful is not None)
+                    traceparent=headers.get("traceparent"), stateful=stateful is not None, view=view)
         call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"),
                                                    f"{headers.get('authorization', '')}|{session_key or ''}", raw)
         model = proxy.config.models[model_key]
@@ -98,7 +98,7 @@ class FormatEndpoint:
         if proxy.tracing is not None:
             call.span = proxy.tracing.start_call(route=route, role=role, request_model=model.name,
                                                  provider=model.provider, traceparent=call.traceparent,
-                                                 stream=call.stream)
+                                                 tracestate=headers.get("tracestate"), stream=call.stream)
             assert call.span is not None  # enabled tracing starts a span
             up_headers.update(call.span.upstream_headers())
         elif call.traceparent:
@@ -169,8 +169,9 @@ class FormatEndpoint:
             call.response_id = response_id
             self.owners.remember(response_id, call.model_key)
         if call.span is not None:
-            chat = fmt.chat_view(response) or {}
-            call.finish_reasons = [c["finish_reason"] for c in chat.get("choices") or () if c.get("finish_reason")]
+            call.chat = fmt.chat_view(response)
+            call.finish_reasons = [c["finish_reason"] for c in (call.chat or {}).get("choices") or ()
+                                   if c.get("finish_reason")]
         return fmt.classify(view, response, self.proxy._checks(call))
 
     def _is_over(self, events: bytes) -> bool:

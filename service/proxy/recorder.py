@@ -65,6 +65,8 @@ class Call:
     usage: Usage | None = None          # set by formats that read it themselves (Responses, Messages)
     stateful: bool = False              # depends on state the upstream keeps: never shadowed
     response_id: str | None = None      # the upstream's id for a stored answer (Responses API)
+    view: dict | None = None            # the request's chat view, when `request` is another format
+    chat: dict | None = None            # the answer's chat view, when `response` is another format (tracing on)
 
 
 def usage_tokens(call: Call) -> tuple[int, int]:
@@ -167,11 +169,11 @@ class Recorder:
             upstream_retries=call.upstream_retries, status=call.status or None, response_id=call.response_id,
         )))
         self._served.remember(call.request_id, (route, model, role, call.segment), sid)
-        if call.span is not None:
+        if call.span is not None:  # its content as chat views, whatever the API
             call.span.finish(response_model=(call.response or {}).get("model"), input_tokens=input_tokens,
                              output_tokens=output_tokens, finish_reasons=call.finish_reasons,
-                             cause=verdict.cause, prompt=(call.request or {}).get("messages"),
-                             completion=(call.response or {}).get("choices"))
+                             cause=verdict.cause, prompt=(call.view or call.request or {}).get("messages"),
+                             completion=(call.chat or call.response or {}).get("choices"))
         if (role == "stable" and verdict.ok and not call.no_shadow and call.request is not None
                 and route in self.config.routes and self._judging(route, call.segment)
                 and self.sampler.wanted(route, call.request_id)):
