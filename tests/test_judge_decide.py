@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from service.judge.catalog import alpha_per_comparison, build_catalog, comparisons_budget
+from service.judge.catalog import alpha_per_comparison, build_catalog, comparisons_budget, sample_unit
 from service.judge.decide import WITHIN, WORSE, analysis, decide, evaluate, judge
-from service.judge.evidence import RouteEvidence
-from service.records import LastDecision
+from service.judge.evidence import RouteEvidence, step_began
+from service.records import LastDecision, SegmentState
 from service.rollout.book import RolloutBook
 from tests.judge_traffic import BAD_TOOLS, GOOD, evaluation, make_config, outcome, traffic
 
@@ -284,8 +284,8 @@ def test_promotion_needs_each_comparison_at_the_full_alpha_not_a_share_of_it():
 def test_a_blocking_comparison_forecasts_the_samples_and_time_it_needs():
     cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
     state, rc, ev, now = _last_step(cfg, age_s=600.0)
-    _exact(ev, "stable", "chat", 5000, 0.95, ts=now - 300)
-    _exact(ev, "canary", "chat", 5000, 0.95, ts=now - 300)
+    _exact(ev, "stable", "chat", 5000, 0.95, ts=now - 30)
+    _exact(ev, "canary", "chat", 5000, 0.95, ts=now - 30)
     j = judge(state, rc, ev, now)
     d = j.decision
     assert d.decision == "hold"
@@ -325,6 +325,138 @@ def test_the_forecast_says_when_more_data_cannot_show_non_inferiority():
     assert any(re.match(r"(overall|segment chat): .+ non-inferiority cannot be shown at the current effect \([+−]1\.5 pts,"
                         r" margin 1 pts\): widen the margin or fix the candidate", r) for r in j.decision.reasons), \
         j.decision.reasons
+
+
+def _agreement(ev, n: int, ts: float) -> None:
+    """n shadow records of chat: the candidate agrees with the stable 93 % of the time, the noise floor
+    95 % (a fixed cycle of 100, so the estimate stays put at multiples of 100)."""
+    for i in range(n):
+        ev.add_evaluation(evaluation("chat", True, agree=i % 100 >= 7, floor=(i + 50) % 100 >= 5, ts=ts))
+
+
+def test_a_shadow_only_forecast_counts_its_own_pairs():
+    """needed_n of a shadow-only comparison is in its own pairs, and its words say so."""
+    cfg = make_config(rollout={"min_samples_per_step": 200})
+    state, rc, ev, now = _last_step(cfg, age_s=600.0)
+    _agreement(ev, 1000, ts=now - 30)
+    j = judge(state, rc, ev, now)
+    comp = next(c for c in j.comparisons if (c.spec.name, c.segment) == ("agreement_gap", "chat"))
+    f = comp.forecast
+    assert comp.verdict != WITHIN and f is not None and f.needed_n is not None
+    assert re.fullmatch(r"segment chat: agreement vs noise floor non-inferiority needs ~[\d.]+k? more shadow "
+                        r"samples \(~.+ at current traffic\)", comp.forecast_reason()), comp.forecast_reason()
+    assert f.eta_s == pytest.approx(f.needed_n / (1000 / 600), rel=0.02)  # at the window's shadow samples/s
+
+    def verdict_after(extra: int) -> int:
+        _, _, ev2, _ = _last_step(cfg, age_s=600.0)
+        _agreement(ev2, 1000 + 100 * math.ceil(extra / 100), ts=now - 30)
+        return next(c.verdict for c in evaluate(ev2, rc) if (c.spec.name, c.segment) == ("agreement_gap", "chat"))
+
+    assert verdict_after(int(0.85 * f.needed_n)) != WITHIN
+    assert verdict_after(int(1.1 * f.needed_n)) == WITHIN
+
+
+def test_each_metric_names_what_its_forecast_counts():
+    cfg = make_config(shadow={"stability": {"sample_rate": 0.1}})
+    units = {spec.name: sample_unit(spec) for spec in build_catalog(cfg.routes["bot"])}
+    assert units["completion_rate"] == units["cost_per_completion"] == "candidate samples (canary and shadow)"
+    assert units["client_retry_rate"] == "canary samples"
+    assert units["task_success_rate"] == "canary feedback events"
+    assert units["agreement_gap"] == units["similarity_gap"] == "shadow samples"
+    assert units["stability_gap"] == "stability pairs"
+    no_shadow = {spec.name: sample_unit(spec) for spec in build_catalog(make_config(shadow=NO_SHADOW).routes["bot"])}
+    assert no_shadow["completion_rate"] == "canary samples"
+    no_replay = build_catalog(make_config(shadow={"noise_floor": False}).routes["bot"])
+    assert sample_unit(next(s for s in no_replay if s.name == "completion_rate")) == \
+        "candidate samples (canary and shadow)"
+
+
+def test_no_forecast_before_the_last_step():
+    """§1: forecasts are of what blocks promotion, at the last step only."""
+    cfg = make_config(rollout={"min_samples_per_step": 200, "min_step_seconds": 3000}, shadow=NO_SHADOW)
+    now = time.time()
+    state, rc, ev = _setup(cfg, step=0, since=now - 600)
+    _exact(ev, "stable", "chat", 5000, 0.95, ts=now - 30)
+    _exact(ev, "canary", "chat", 5000, 0.95, ts=now - 30)
+    j = judge(state, rc, ev, now)
+    assert j.decision.decision == "hold" and j.decision.reasons[0].startswith("step 1/2 (10%): ")
+    assert all(e.needed_n is None and e.eta_s is None for e in j.decision.evidence), j.decision.evidence
+    assert all(c.forecast is None for c in j.comparisons)
+    assert all(row["needed_n"] is None and row["forecast"] is None for row in j.report()["comparisons"])
+    assert not any("non-inferiority needs" in r for r in j.decision.reasons)
+
+
+def test_segment_scope_forecasts_only_segments_at_their_last_step():
+    cfg = make_config(rollout={"min_samples_per_step": 200, "scope": "segment"}, shadow=NO_SHADOW)
+    now = time.time()
+    state, rc, ev = _setup(cfg, step=0, since=now - 600)
+    state = state.model_copy(update={"scope": "segment", "segments": {
+        "chat": SegmentState(phase="canary", step_index=1, since=now - 600, candidate="candidate-m"),
+        "json": SegmentState(phase="canary", step_index=0, since=now - 600, candidate="candidate-m")}})
+    for seg in ("chat", "json"):
+        _exact(ev, "stable", seg, 5000, 0.95, ts=now - 30)
+        _exact(ev, "canary", seg, 5000, 0.95, ts=now - 30)
+    forecast_in = {c.segment for c in judge(state, rc, ev, now).comparisons if c.forecast is not None}
+    assert forecast_in == {"chat"}
+
+
+def test_no_eta_without_recent_traffic_or_from_a_fresh_window():
+    """§5: a rate needs a window ≥ 10 s old with a candidate record in the last 60 s."""
+    cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
+
+    def forecast_at(age_s: float, last_record_s: float):
+        state, rc, ev, now = _last_step(cfg, age_s=age_s)
+        _exact(ev, "stable", "chat", 5000, 0.95, ts=now - last_record_s)
+        _exact(ev, "canary", "chat", 5000, 0.95, ts=now - last_record_s)
+        j = judge(state, rc, ev, now)
+        comp = next(c for c in j.comparisons if (c.spec.name, c.segment) == ("completion_rate", "chat"))
+        return comp, j.decision
+
+    quiet, d = forecast_at(600.0, 300.0)   # nothing arrived for 5 minutes
+    assert quiet.forecast.needed_n > 1000 and quiet.forecast.eta_s is None
+    assert "(no ETA: no candidate traffic in the last 60 s)" in quiet.forecast_reason()
+    assert "promotion possible in" not in d.reasons[0]
+    young, _ = forecast_at(0.5, 0.1)       # a step (or a resume) half a second ago
+    assert young.forecast.needed_n is not None and young.forecast.eta_s is None
+    assert "(no ETA yet: the current window is 0 s old, a rate needs 10 s)" in young.forecast_reason()
+    steady, _ = forecast_at(600.0, 30.0)
+    assert steady.forecast.eta_s == pytest.approx(steady.forecast.needed_n / (5000 / 600), rel=0.02)
+
+
+def test_pause_and_resume_keep_the_steps_samples_and_clock():
+    """DESIGN §9: min_samples_per_step counts candidate outcomes since the step began; a pause and its
+    resume open windows (the judge still compares within each) but do not restart the step."""
+    cfg = make_config(rollout={"min_samples_per_step": 300, "min_step_seconds": 600}, shadow=NO_SHADOW)
+    rc = cfg.routes["bot"]
+    now = time.time()
+    windows = [("shadow", -1, now - 2000), ("canary", 0, now - 1000), ("paused", 0, now - 400),
+               ("canary", 0, now - 100)]
+    base = RolloutBook(cfg).get("bot")
+    ev = RouteEvidence("bot", rc, base.stable, base.candidate)
+    state = base
+    for i, (phase, step, since) in enumerate(windows):
+        state = base.model_copy(update={"phase": phase, "step_index": step, "since": since, "windows": windows[:i + 1],
+                                        "canary_weight": 0.1 if step == 0 else 0.0,
+                                        "paused_from": "canary" if phase == "paused" else None})
+        ev.sync(state)
+        if step == 0:
+            _exact(ev, "stable", "chat", 1000, 0.97, ts=since + 1)
+            _exact(ev, "canary", "chat", 120, 0.97, ts=since + 1)
+    assert step_began(state) == now - 1000
+    j = judge(state, rc, ev, now)
+    assert j.step_samples == 360
+    assert j.decision.decision == "step", j.decision.reasons
+    assert "360 candidate samples in 1000 s" in j.decision.reasons[0]
+
+
+def test_a_pause_and_resume_through_the_book_keep_the_step():
+    book = RolloutBook(make_config())
+    stepped = book.operate("bot", "promote")
+    book.operate("bot", "pause")
+    resumed = book.operate("bot", "resume")
+    assert (resumed.phase, resumed.step_index) == ("canary", 0) and resumed.since > stepped.since
+    assert step_began(resumed) == stepped.since
+    assert step_began(book.operate("bot", "promote")) > resumed.since   # the next step starts its own clock
 
 
 def test_forecasts_reach_analysis_and_status():

@@ -13,6 +13,7 @@ import pytest
 from collectors.spend import OverBudget, SpendCap
 from service.bus.memory import MemoryBus
 from service.config import parse_config
+from service.judge.decide import evaluate
 from service.judge.segments import analysis_of
 from service.proxy.routing import pick
 from service.proxy.sampler import ShadowSampler
@@ -188,6 +189,37 @@ def test_operator_actions_on_one_segment():
     assert state.segments["chat"].phase == "promoted" and state.phase == "partial"
     with pytest.raises(TransitionError, match="partial"):
         book.operate("bot", "promote", segment="chat")
+
+
+def test_a_segment_paused_and_resumed_keeps_its_steps_samples_and_clock():
+    """DESIGN §9 per segment: the step's candidate outcomes and time count from when the step began,
+    through a pause and its resume (each still its own evidence window)."""
+    from service.judge.evidence import RouteEvidence
+    from service.judge.segments import decide_segments
+
+    cfg = config({"min_samples_per_step": 100})
+    rc = cfg.routes["bot"]
+    book = RolloutBook(cfg)
+    ev = RouteEvidence("bot", rc, "stable-m", "cheap-m")
+
+    def commit(state, n: int) -> None:
+        ev.sync(state)
+        for i in range(n):
+            ev.add_outcome(outcome("stable", "chat", True).model_copy(update={"model": "stable-m"}))
+            ev.add_outcome(outcome("canary", "chat", i % 50 != 0).model_copy(update={"model": "cheap-m"}))
+
+    stepped = book.operate("bot", "promote", segment="chat")
+    commit(stepped, 40)
+    commit(book.operate("bot", "pause", segment="chat"), 40)
+    resumed = book.operate("bot", "resume", segment="chat")
+    commit(resumed, 40)
+    chat = resumed.segments["chat"]
+    assert (chat.phase, chat.step_index, chat.since) == ("canary", 0, stepped.segments["chat"].since)
+    assert len(ev.windows) == 3                  # step, pause, resume: compared within each
+    assert ev.segment_samples("chat", shadow=False, since=chat.since) == 120
+    ev.sync(resumed)
+    verdict = decide_segments(resumed, rc, {"cheap-m": evaluate(ev, rc)}, {"cheap-m": ev}, time.time())["chat"]
+    assert verdict.decision.decision == "step", verdict.decision.reasons
 
 
 def test_segment_names_need_scope_segment():

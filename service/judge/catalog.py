@@ -176,6 +176,21 @@ def _paired(rc: RouteConfig) -> list[MetricSpec]:
     return out
 
 
+# What one observation of a shadow-only comparison is (its evidence has no live part).
+_PAIR_UNITS = {"agreement_gap": "shadow samples", "similarity_gap": "shadow samples",
+               "judge_preference": "judged shadow samples", "stability_gap": "stability pairs"}
+
+
+def sample_unit(spec: MetricSpec) -> str:
+    """What a forecast's `needed_n` counts for this metric: the observations its evidence grows by
+    (docs/judge.md §5)."""
+    if all(p.source == "shadow" for p in spec.parts):
+        return _PAIR_UNITS.get(spec.name, "shadow samples")
+    if any(p.source == "shadow" or p.candidate_arm == POOLED_CANDIDATE for p in spec.parts):
+        return "candidate samples (canary and shadow)"
+    return "canary feedback events" if spec.candidate_field == "feedback" else "canary samples"
+
+
 def route_segments(rc: RouteConfig) -> list[str]:
     """`overall` first, then the route's task types, then the built-in segments."""
     return ["overall", *rc.task_types, *BUILTIN_SEGMENTS]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ from service.judge.catalog import (
     build_catalog,
     comparisons_budget,
     route_segments,
+    sample_unit,
 )
 from service.judge.comparisons import (
     INCONCLUSIVE,
@@ -38,7 +40,7 @@ from service.judge.comparisons import (
     interval,
     within_scale,
 )
-from service.judge.evidence import RouteEvidence
+from service.judge.evidence import RouteEvidence, step_began
 from service.judge.forecast import Forecast, describe, duration_text, forecast
 from service.records import Evidence, LastDecision, RolloutState
 
@@ -86,7 +88,8 @@ class Comparison:
     def forecast_reason(self) -> str | None:
         if self.forecast is None:
             return None
-        return describe(self.where, self.spec.label, self.forecast, _effect_text(self), _margin_text(self.spec))
+        return describe(self.where, self.spec.label, self.forecast, sample_unit(self.spec), _effect_text(self),
+                        _margin_text(self.spec))
 
     def as_dict(self) -> dict:
         f = self.forecast
@@ -218,14 +221,16 @@ def _plan(rc: RouteConfig) -> _Plan:
 
 
 def evaluate(evidence: RouteEvidence, rc: RouteConfig, boundary: Boundary | None = None,
-             alpha: float | None = None, now: float | None = None) -> list[Comparison]:
+             alpha: float | None = None, now: float | None = None,
+             forecast_in: Collection[str] = ()) -> list[Comparison]:
     """Every catalog comparison in every segment that has data in both arms.
 
     Each metric's parts (live, paired shadow) are estimated with one vectorised call per test over
     all metrics and segments, combined by inverse-variance weights, and judged in one call per kind
     of interval: the end that decides a rollback at alpha / K, the end that decides promotion at the
-    route's alpha (comparisons.interval). With `now`, every comparison that blocks promotion (enough
-    samples to gate, not yet within) gets a forecast at the current window's traffic.
+    route's alpha (comparisons.interval). With `now`, every comparison of a segment in `forecast_in`
+    that blocks promotion (enough samples to gate, not yet within) gets a forecast at the current
+    window's traffic.
     """
     if not evidence.windows:
         return []
@@ -245,10 +250,12 @@ def evaluate(evidence: RouteEvidence, rc: RouteConfig, boundary: Boundary | None
     has = (combined.n_candidate > 0) & (combined.n_stable > 0) & ~no_events.all(axis=0) & np.isfinite(combined.effect)
     forecasts: dict[int, Forecast] = {}
     need = rc.rollout.min_samples_per_step
-    blocking = has & (verdict != WITHIN) & (combined.n_candidate >= need) & (combined.n_stable >= need)
+    in_scope = np.tile(np.isin(evidence.segments, list(forecast_in)), len(plan.catalog))
+    blocking = has & in_scope & (verdict != WITHIN) & (combined.n_candidate >= need) & (combined.n_stable >= need)
     if now is not None and blocking.any():
-        forecasts = _forecasts(np.flatnonzero(blocking), combined, plan, alpha_within, inputs,
-                               now - evidence.windows[-1].start)  # evidence.current
+        w = evidence.windows[-1]  # evidence.current
+        quiet = now - (w.last_candidate_ts if w.last_candidate_ts is not None else w.start)
+        forecasts = _forecasts(np.flatnonzero(blocking), combined, plan, alpha_within, inputs, now - w.start, quiet)
     return _comparisons(plan, evidence.segments, np.flatnonzero(has), combined, parts_est, lo, hi, verdict,
                         forecasts)
 
@@ -303,8 +310,9 @@ def _part_estimates(evidence: RouteEvidence, plan: _Plan) -> tuple[list[stats.Es
 
 
 def _forecasts(rows: np.ndarray, combined: stats.Estimate, plan: _Plan, alpha_within: float, inputs: list[_Inputs],
-               age_s: float) -> dict[int, Forecast]:
-    """Forecasts of the blocking rows, from each part's estimate on the current window alone."""
+               age_s: float, quiet_s: float) -> dict[int, Forecast]:
+    """Forecasts of the blocking rows, from each part's estimate on the current window alone (`age_s`
+    old, its latest candidate record `quiet_s` ago)."""
     n_seg = plan.n_seg
     info = np.zeros(len(rows))
     n_now = np.zeros(len(rows))
@@ -324,7 +332,8 @@ def _forecasts(rows: np.ndarray, combined: stats.Estimate, plan: _Plan, alpha_wi
         np.add.at(info, dest, np.where(ok, 1.0 / np.where(ok, est.var, 1.0), 0.0))
         np.add.at(n_now, dest, np.where(ok, est.n_candidate, 0))
     found = forecast(combined.effect[rows], combined.var[rows], plan.bound[rows], plan.worse_if[rows] == "above",
-                     alpha_within, plan.scale[rows], info, n_now, age_s, combined.n_candidate[rows].astype(float))
+                     alpha_within, plan.scale[rows], info, n_now, age_s, quiet_s,
+                     combined.n_candidate[rows].astype(float))
     return {int(r): f for r, f in zip(rows, found)}
 
 
@@ -353,8 +362,9 @@ def gating(c: Comparison, rc: RouteConfig) -> bool:
 
 
 def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], step_samples: int,  # noqa: C901 - the decision rule in its order (samples, time, worse, better); splitting hides it
-           now: float | None = None) -> LastDecision | None:
-    """The judge's verdict for a route in shadow or canary; None for other phases."""
+           now: float | None = None, began: float | None = None) -> LastDecision | None:
+    """The judge's verdict for a route in shadow or canary; None for other phases. `began`: when the
+    step began (default `state.since`); its samples and time count from then."""
     now = time.time() if now is None else now
     if state.candidate is None or state.phase not in ("shadow", "canary"):
         return None
@@ -363,7 +373,7 @@ def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], 
     shadow = state.phase == "shadow"
     last = (not shadow) and state.step_index >= len(steps) - 1
     needed = ro.min_shadow_samples if shadow else ro.min_samples_per_step
-    age = max(0.0, now - state.since)
+    age = max(0.0, now - (state.since if began is None else began))
     step_ready = step_samples >= needed and age >= ro.min_step_seconds
     worse = [c for c in comparisons if c.verdict == WORSE]
     gates = [c for c in comparisons if gating(c, rc)]
@@ -479,11 +489,27 @@ def judge(state: RolloutState, rc: RouteConfig, evidence: RouteEvidence, now: fl
           boundary: Boundary | None = None) -> Judgement:
     now = time.time() if now is None else now
     phase = state.phase if state.phase != "paused" else (state.paused_from or "canary")
-    comparisons = evaluate(evidence, rc, boundary, now=now if phase == "canary" else None)
-    samples = evidence.step_samples(phase)
-    decision = decide(state, rc, comparisons, samples, now)
+    comparisons = evaluate(evidence, rc, boundary, now=now, forecast_in=_forecast_segments(state, rc, evidence))
+    began = step_began(state)
+    samples = evidence.step_samples(phase, began)
+    decision = decide(state, rc, comparisons, samples, now, began)
     plan = _plan(rc)
     return Judgement(decision, comparisons, plan.alpha_each, plan.budget, samples, rc.rollout.alpha)
+
+
+def _forecast_segments(state: RolloutState, rc: RouteConfig, evidence: RouteEvidence) -> list[str]:
+    """The segments whose comparisons can block a promotion now, so get forecasts (§1: at the last
+    step): all of them at the route's last step; with rollout.scope segment, those at their own last
+    step with this evidence's candidate canaried (a pause keeps the step)."""
+    last = len(rc.rollout.steps) - 1
+
+    def at_last(phase: str, paused_from: str | None, step: int) -> bool:
+        return (paused_from if phase == "paused" else phase) == "canary" and step >= last
+
+    if state.scope == "segment":
+        return [name for name, seg in state.segments.items()
+                if seg.candidate == evidence.candidate and at_last(seg.phase, seg.paused_from, seg.step_index)]
+    return evidence.segments if at_last(state.phase, state.paused_from, state.step_index) else []
 
 
 def analysis(state: RolloutState) -> dict:

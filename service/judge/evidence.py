@@ -403,6 +403,11 @@ class Window:
     candidate_requests: int = 0    # live canary outcomes (min_samples_per_step counts these)
     shadow_records: int = 0        # evaluation records (min_shadow_samples counts these)
     version: int = 0               # bumped by every record: arrays built from this window are stale
+    last_candidate_ts: float | None = None   # the latest canary request or shadow record (its ts)
+
+    def took_candidate(self, ts: float) -> None:
+        if self.last_candidate_ts is None or ts > self.last_candidate_ts:
+            self.last_candidate_ts = ts
 
     def acc(self, arm: Arm, segment: str) -> ArmAcc | ShadowAcc:
         k = (arm[0], arm[1], segment)
@@ -426,6 +431,22 @@ class Window:
 
 def window_key(state: RolloutState) -> tuple:
     return (state.phase, state.step_index, round(state.since, 6))
+
+
+def step_began(state: RolloutState) -> float:
+    """When the current step (or shadow) began. A pause and its resume open windows of their own but
+    keep the step (DESIGN §5), so this is the first of the trailing windows at the same step, the
+    paused ones included; `since` when the state's own window is not last in `windows`."""
+    own = state.paused_from if state.phase == "paused" else state.phase
+    windows = state.windows
+    if not windows or (windows[-1][0], windows[-1][1], round(windows[-1][2], 6)) != window_key(state):
+        return state.since
+    began = state.since
+    for phase, step, since in reversed(windows):
+        if step != state.step_index or phase not in (own, "paused"):
+            break
+        began = since
+    return began
 
 
 class RouteEvidence:
@@ -521,6 +542,7 @@ class RouteEvidence:
                                         ev.latency_s, ev.cost_usd, ev.client_retry)
         if arm is LIVE_CANDIDATE:
             w.candidate_requests += 1
+            w.took_candidate(ev.ts)
         w.version += 1
         return True
 
@@ -543,6 +565,7 @@ class RouteEvidence:
             for name, candidate, stable in pairs:
                 a.add_pair(name, candidate, stable)
         w.shadow_records += 1
+        w.took_candidate(rec.ts)
         w.version += 1
         try:
             self.shadow_stats.add(rec)
@@ -613,11 +636,11 @@ class RouteEvidence:
         self._stacks[arm] = (versions, full)
         return full
 
-    def step_samples(self, phase: str) -> int:
-        w = self.current
-        if w is None:
-            return 0
-        return w.shadow_records if phase == "shadow" else w.candidate_requests
+    def step_samples(self, phase: str, since: float | None = None) -> int:
+        """Shadow records (`phase` shadow) or live canary outcomes in the windows opened since `since`
+        (when the step began: `step_began`); without it, in the current window."""
+        windows = self.windows[-1:] if since is None else [w for w in self.windows if w.start >= since - 1e-6]
+        return sum(w.shadow_records if phase == "shadow" else w.candidate_requests for w in windows)
 
     def segment_samples(self, segment: str, shadow: bool, since: float) -> int:
         """One segment's shadow records (`shadow`) or live canary outcomes in the windows opened since

@@ -47,11 +47,12 @@ def joined(state: RolloutState, rc: RouteConfig, name: str) -> SegmentState:
 def transition(state: RolloutState, name: str, seg: SegmentState, action: Action, decision: LastDecision,
                steps: list[float], now: float) -> SegmentState:
     """An operator's action on one segment. `promote` out of shadow canaries the first candidate that
-    passed shadow there (else the first not ruled out); `rollback` rules out every candidate left."""
+    passed shadow there (else the first not ruled out); `rollback` rules out every candidate left.
+    A pause and its resume keep the step, and `since` with it: its samples and time carry on."""
     where = f"route {state.route!r} segment {name!r}"
     if seg.phase in TERMINAL:
         raise TransitionError(f"{where} is {seg.phase}; name new candidates in the config and reload")
-    update: dict = {"last_decision": decision, "recommendation": None, "since": now}
+    update: dict = {"last_decision": decision, "recommendation": None}
     if action == "promote":
         if seg.phase == "paused":
             raise TransitionError(f"{where} is paused; resume it first")
@@ -60,7 +61,7 @@ def transition(state: RolloutState, name: str, seg: SegmentState, action: Action
             if pick is None:
                 raise TransitionError(f"{where}: every candidate is ruled out here")
             update |= {"candidate": pick, "selected": f"{decision.by}: {'passed shadow first' if seg.passed else 'first not ruled out'}"}
-        update |= _forward(seg.step_index, steps)
+        update |= _forward(seg.step_index, steps) | {"since": now}
     elif action == "pause":
         if seg.phase == "paused":
             raise TransitionError(f"{where} is already paused")
@@ -72,7 +73,7 @@ def transition(state: RolloutState, name: str, seg: SegmentState, action: Action
     else:
         out = {c: decision for c in candidates_of(state) if c not in seg.rejected}
         update |= {"phase": "rolled_back", "canary_weight": 0.0, "candidate": None, "paused_from": None,
-                   "passed": [], "rejected": {**seg.rejected, **out}}
+                   "passed": [], "rejected": {**seg.rejected, **out}, "since": now}
     return seg.model_copy(update=update)
 
 
