@@ -5,7 +5,9 @@ that embedding inference and judging never run on the proxy's event loop.
   child, sends it sampled traffic over a socket, at most `events.queue_size` events waiting (more
   are dropped and counted, `modelcanary_shadow_dropped_total{reason="queue_full"}`: the proxy never
   waits for a slow or dead child), publishes the EvaluationRecords the child sends back on the
-  proxy's bus (the controller runs there), and starts a new child when one dies;
+  proxy's bus (the controller runs there), and starts a new child when one dies or a reload changes
+  the config (the old child first evaluates what it was sent, for a bounded time; what it could not
+  is counted, `reason="stopped"`);
 - `child.py`: the child, the same shadow workers as `modelcanary collect` (collectors.worker) over a
   bus made of that socket;
 - `channel.py`: the socket's frames, read and written on each side's event loop (no thread in the

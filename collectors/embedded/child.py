@@ -1,10 +1,16 @@
-"""The shadow child process: `collectors.worker.run_workers` over a bus made of one socket to the
+"""The shadow child process: a `collectors.worker.ShadowWorker` over a bus made of one socket to the
 parent (collectors.embedded.channel), read and written on the child's event loop.
 
-- from the parent: TRAFFIC frames (a TrafficEvent's JSON) and STOP (finish what is in flight, exit);
+- from the parent: TRAFFIC frames (a TrafficEvent's JSON) and STOP (its payload: seconds left to
+  evaluate the traffic already sent; then the rest is given up, what is in flight finishes, and the
+  child exits);
 - to the parent: RECORD (an EvaluationRecord's JSON, for the parent's bus), TAKEN (how many
   traffic frames the workers took: the parent keeps at most `events.queue_size` untaken), and
   METRICS (relay.snapshot(), pickled) every SNAPSHOT_S and once more at exit.
+
+Sampled requests the child gives up (its drain time ran out, or its parent is gone) and those still
+in flight when the worker stops waiting for them are counted as
+`modelcanary_shadow_dropped_total{reason="stopped"}` and logged once with their number.
 
 The child stops by itself when its parent is gone (the socket closes). SIGINT is ignored (a Ctrl-C
 in a terminal reaches the whole process group; the parent asks the child to stop, with STOP).
@@ -26,11 +32,13 @@ import uvloop
 
 from collectors.embedded import relay
 from collectors.embedded.channel import Channel
-from collectors.worker import run_workers
+from collectors.worker import ShadowWorker
+from service import metrics
 from service.bus.base import Topic
 from service.config import Config
-from service.records import Record, TrafficEvent, load
+from service.records import EvaluationRecord, Record, TrafficEvent, load
 from service.upstream import make_providers
+from service.upstream.base import Provider
 
 log = logging.getLogger("modelcanary.shadow")
 
@@ -38,6 +46,7 @@ SNAPSHOT_S = 1.0
 EXIT_DRAIN_S = 2.0
 NICE = 10
 TRAFFIC, STOP, RECORD, TAKEN, METRICS = b"t", b"s", b"r", b"c", b"m"
+STOPPED = "stopped"  # shadow_dropped_total's reason for what a stopping child could not evaluate
 
 
 class ChannelBus:
@@ -47,6 +56,8 @@ class ChannelBus:
         self._stop = stop
         self._traffic: deque[bytes] = deque()
         self._arrived = asyncio.Event()
+        self._draining = False  # STOP came: hand out what is queued, then stop the worker
+        self.dropped = 0
         self.channel = Channel(sock, self._frame, self._parent_gone)
 
     def _frame(self, kind: bytes, payload: bytes) -> None:
@@ -54,14 +65,25 @@ class ChannelBus:
             self._traffic.append(payload)
             self._arrived.set()
         elif kind == STOP:
-            self._stop.set()
+            self._draining = True
             self._arrived.set()
+            asyncio.get_running_loop().call_later(float(payload or 0), self._give_up)
 
     def _parent_gone(self) -> None:
         if not self._stop.is_set():
             log.warning("the proxy process is gone; the shadow child stops")
+        self._give_up()
+
+    def _give_up(self) -> None:
+        """Stop the worker now; what it was not handed yet is dropped (counted)."""
+        while self._traffic:
+            self.drop(json.loads(self._traffic.popleft()).get("route", "unknown"))
         self._stop.set()
         self._arrived.set()
+
+    def drop(self, route: str) -> None:
+        metrics.shadow_dropped_total.labels(route, STOPPED).inc()
+        self.dropped += 1
 
     async def start(self) -> None:
         return None
@@ -76,16 +98,22 @@ class ChannelBus:
         return self
 
     async def get_batch(self, max_records: int, timeout_s: float) -> list[Record]:
-        if not self._traffic and not self._stop.is_set():
+        """One record at a time: ShadowWorker starts what it took before it next looks at `stop`, so
+        stopping it never strands a taken record in its backlog."""
+        if not self._traffic and not self._draining and not self._stop.is_set():
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), timeout_s)
             except TimeoutError:
                 pass
-        taken = [self._traffic.popleft() for _ in range(min(max_records, len(self._traffic)))]
-        if taken:
-            self.channel.send(TAKEN, str(len(taken)).encode())
-        return [load(json.loads(item)) for item in taken]
+        if self._stop.is_set():
+            return []
+        if not self._traffic:
+            if self._draining:  # everything sent before STOP was handed out
+                self._stop.set()
+            return []
+        self.channel.send(TAKEN, b"1")
+        return [load(json.loads(self._traffic.popleft()))]
 
     async def commit(self) -> None:
         return None
@@ -99,6 +127,21 @@ class ChannelBus:
 
     async def close(self) -> None:
         return None
+
+
+class ChildWorker(ShadowWorker):
+    """A ShadowWorker that counts the evaluations it cancels when it stops (its drain timeout ran out)."""
+
+    def __init__(self, config: Config, bus: ChannelBus, providers: dict[str, Provider], tracing: object):
+        super().__init__(config, bus, providers, tracing)
+        self.drop = bus.drop
+
+    async def handle(self, event: TrafficEvent) -> EvaluationRecord | None:
+        try:
+            return await super().handle(event)
+        except asyncio.CancelledError:
+            self.drop(event.route)
+            raise
 
 
 async def _ship_metrics(bus: ChannelBus, stop: asyncio.Event) -> None:
@@ -121,9 +164,12 @@ async def _run(config: Config, sock: socket.socket) -> None:
     tracing = Tracing(config.tracing)  # the proxy's service name, as when the workers ran in its process
     shipper = asyncio.create_task(_ship_metrics(bus, stop))
     try:
-        await run_workers(config, bus, providers, tracing, stop)
+        await ChildWorker(config, bus, providers, tracing).run(stop)
     finally:
         stop.set()
+        if bus.dropped:
+            log.warning("the shadow child stopped before it could evaluate %d sampled requests "
+                        "(counted as modelcanary_shadow_dropped_total{reason=\"%s\"})", bus.dropped, STOPPED)
         await shipper
         bus.channel.send(METRICS, pickle.dumps(relay.snapshot()))
         await bus.channel.drain(EXIT_DRAIN_S)

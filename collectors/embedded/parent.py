@@ -5,8 +5,11 @@ in-process workers did), sending its JSON to the child over their socket (collec
 and publishing the records the child sends back. At most `events.queue_size` sent events wait for
 the child to take them; more are dropped and counted (queue_full).
 A child that dies is replaced after a pause (RESTART_S, growing while children keep dying early).
-A reload starts a child on the new config and stops the old one; the subscription stays, so
-traffic sampled while the new child starts waits for it instead of being lost.
+A reload that changes the config starts a child on the new config and stops the old one, which
+first evaluates what it was sent (under the config it was sampled with) for up to RELOAD_DRAIN_S;
+what it could not is counted (reason stopped, see collectors.embedded.child). The subscription stays,
+so traffic sampled while the new child starts waits for it instead of being lost. A reload that
+changes nothing keeps the child.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from collectors.embedded import child as child_main
 from collectors.embedded.channel import Channel
 from collectors.embedded.relay import ChildMetrics, install
-from collectors.worker import GROUP
+from collectors.worker import DRAIN_TIMEOUT_S, GROUP
 from service import metrics
 from service.bus import EventBus
 from service.config import Config
@@ -34,6 +37,7 @@ log = logging.getLogger("modelcanary.shadow")
 BATCH = 256
 POLL_S = 0.5
 STOP_TIMEOUT_S = 4.0            # the child finishes what is in flight within this, else it is killed
+RELOAD_DRAIN_S = 10.0           # a child replaced by a reload evaluates what it was sent within this
 RESTART_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 HEALTHY_S = 60.0                # a child that lived this long resets the restart pause
 
@@ -84,13 +88,17 @@ class ShadowChild:
         self.relay.child_ended(self.key)
         self._ended.set()
 
-    async def stop(self) -> None:
-        """Ask the child to finish (STOP), then wait for it; kill it if it takes too long."""
-        self.channel.send(child_main.STOP, b"")
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Ask the child to finish (STOP): what it was sent within `drain_s`, then what is in flight;
+        wait for it, and kill it if it takes too long."""
+        self.channel.send(child_main.STOP, str(drain_s).encode())
+        timeout_s = drain_s + DRAIN_TIMEOUT_S + STOP_TIMEOUT_S if drain_s else STOP_TIMEOUT_S
         try:
-            await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
+            await asyncio.to_thread(self.process.join, timeout_s)
         finally:
             if self.process.is_alive():
+                log.warning("the shadow child did not stop in %.0f s and is killed: the %d sampled requests "
+                            "it had not taken and those in flight are not evaluated", timeout_s, self.waiting)
                 self.process.kill()
                 await asyncio.to_thread(self.process.join, 1.0)
             with contextlib.suppress(TimeoutError):  # what the child sent last is read first
@@ -109,9 +117,18 @@ def _has_candidate(config: Config) -> bool:
     return any(rc.candidate for rc in config.routes.values())
 
 
+def _reloaded(config: Config, reloads: asyncio.Queue[Config]) -> Config | None:
+    """The last config put on `reloads`; None if there is none, or it is `config` again (the child
+    gets everything it uses from its Config)."""
+    latest = config
+    while not reloads.empty():
+        latest = reloads.get_nowait()
+    return None if latest == config else latest
+
+
 async def run_in_child(config: Config, bus: EventBus, stop: asyncio.Event, reloads: asyncio.Queue[Config]) -> None:
     """Memory mode's ShadowRunner: shadow workers in a child process until `stop` is set; each config
-    put on `reloads` replaces the child (the child makes its own providers and tracing from it)."""
+    put on `reloads` that differs replaces the child (the child makes its own providers and tracing from it)."""
     relay = install()
     loop = asyncio.get_running_loop()
     sub = bus.subscribe(["traffic"], group=GROUP)
@@ -132,10 +149,11 @@ async def run_in_child(config: Config, bus: EventBus, stop: asyncio.Event, reloa
                 await _pause(stop, RESTART_S[min(deaths, len(RESTART_S) - 1)])
                 continue
             events = await sub.get_batch(BATCH, POLL_S)
-            while not reloads.empty():  # before offering: what was read may have been sampled after it
-                config = reloads.get_nowait()
+            reloaded = _reloaded(config, reloads)  # before offering: what was read may have been sampled after it
+            if reloaded is not None:
+                config = reloaded
                 if child is not None:  # its queue holds traffic sampled under the old config
-                    task = loop.create_task(child.stop())
+                    task = loop.create_task(child.stop(RELOAD_DRAIN_S))
                     stopping.add(task)
                     task.add_done_callback(stopping.discard)
                     child, deaths = None, 0
