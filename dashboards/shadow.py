@@ -137,7 +137,7 @@ def build() -> Dashboard:
         "Shadow drops by reason",
         [(or_zero(rate_sum("reason", "modelcanary_shadow_dropped_total", ROUTE), "reason"), "{{reason}}")],
         unit="ops", stacked=True, width=8,
-        description="Sampled requests not shadowed: budget (max_per_minute / max_usd_per_hour), queue_full, error. "
-                    "Reads 0 (reason=none) until the first drop.",
+        description="Sampled requests not shadowed: budget (max_per_minute / max_usd_per_hour), queue_full, error, "
+                    "stateful, stopped (a reload replaced the shadow child). Reads 0 (reason=none) until the first drop.",
     ))
     return d
