@@ -617,6 +617,7 @@ async def _collect(config: Config) -> int:
             await runner.cleanup()
     return 0
 
+
 def _noise_floor_ended(route: str, stable_key: str, task: asyncio.Future) -> None:
     """Count the noise-floor call once it answered; cancel it when no candidate waited for it. Its
     failure (over the budget) is the candidates' too, and counted there."""
@@ -625,7 +626,6 @@ def _noise_floor_ended(route: str, stable_key: str, task: asyncio.Future) -> Non
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
     elif not task.cancelled() and task.exception() is None:
         metrics.shadow_requests_total.labels(route, stable_key, task.result().verdict.outcome).inc()
-
 
 
 def main(config: Config) -> int:
@@ -648,4 +648,3 @@ def main(config: Config) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-

@@ -194,7 +194,7 @@ class Runtime:
         if config.tracing != self.config.tracing:
             self._retired_tracing.append(self.tracing)
             self.tracing = Tracing(config.tracing)
-            self.proxy.tracing = self.tracing if self.tracing.enabled else None
+            self.proxy.use_tracing(self.tracing)
         for name, cfg in config.providers.items():
             if name not in self.config.providers or cfg != self.config.providers[name]:
                 old = self.providers.get(name)

@@ -56,12 +56,16 @@ class Proxy:
         self.book = book
         self.providers = providers
         self.recorder = recorder
-        self.tracing = tracing if getattr(tracing, "enabled", False) else None
+        self.use_tracing(tracing)
         self.retries = RetryDetector()
         self.draining = False
         self.in_flight = 0
         self._in_flight_children = metrics.LabelCache(metrics.in_flight_requests)
         self.reload(config)
+
+    def use_tracing(self, tracing: Tracing | None) -> None:
+        """Spans only from a tracer that exports (None: no tracing work per request)."""
+        self.tracing = tracing if tracing is not None and tracing.enabled else None
 
     def reload(self, config: Config) -> None:
         self.config = config

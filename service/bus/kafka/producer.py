@@ -71,6 +71,11 @@ class _Pending:
     ticket: int = 0  # publish order (flush); 0 for records replayed from the spool
 
 
+def _encoded(topic: Topic, record: Record) -> tuple[str, bytes]:
+    """The record's key and JSON value as sent to the broker."""
+    return record_key(topic, record), json.dumps(dump(record), separators=(",", ":")).encode()
+
+
 class KafkaBus:
     """The Kafka backend of EventBus. Timeouts default to production values; tests pass small ones."""
 
@@ -192,8 +197,8 @@ class KafkaBus:
             producer = build_client(KafkaProducer, client_id=f"{self._client_id}-claim", acks="all",
                                     allow_auto_create_topics=False, max_block_ms=int(timeout_s * 1000),
                                     **self._client_config())
-            value = json.dumps(dump(record), separators=(",", ":")).encode()
-            producer.send(self.names[topic], key=record_key(topic, record).encode(), value=value).get(timeout_s)
+            key, value = _encoded(topic, record)
+            producer.send(self.names[topic], key=key.encode(), value=value).get(timeout_s)
             return True
         except Exception as e:
             log.warning("sending a %s record failed: %s", topic, describe(e))
@@ -296,8 +301,7 @@ class KafkaBus:
         if self._tripped.is_set():
             self._trip()  # spool the failed in-flight records first: order is kept
         try:
-            key = record_key(topic, record)
-            value = json.dumps(dump(record), separators=(",", ":")).encode()
+            key, value = _encoded(topic, record)
         except Exception as e:
             metrics.events_dropped_total.labels(topic, "bad_record").inc()
             log.warning("cannot serialise a %s record: %s", topic, e)
