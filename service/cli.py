@@ -138,20 +138,13 @@ def cmd_control(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from service.simulator.config import load_simulator_config
-    from service.simulator.server import serve
+    from service.simulator.__main__ import run
 
     try:
-        sim = load_simulator_config(args.config)
-    except ConfigError as e:
-        print(e.explain("simulator config"), file=sys.stderr)
-        return 1
-    try:
-        serve(sim, args.host, args.port)
+        return run(args.config, args.host, args.port)
     except OSError as e:  # the port is taken, or the host is not ours: one line, as `serve` says it
         print(f"ERROR:    {e}", file=sys.stderr)
         return STARTUP_FAILURE
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

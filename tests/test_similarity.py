@@ -21,26 +21,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from collectors.similarity import (
-    Answer,
-    EmbeddingError,
-    EndpointEmbedder,
-    LocalEmbedder,
-    ToolCall,
-    answer_of,
-    answer_of_completion,
-    json_similarity,
-    mean_pairwise_similarity,
-    repro,
-    score_record,
-    score_records,
-    similarities,
-    similarities_with,
-    similarity,
-    texts_to_embed,
-    tool_calls_similarity,
-    wants_json,
-)
+from collectors.similarity import Answer, EmbeddingError, EndpointEmbedder, LocalEmbedder, ToolCall, repro, score
 from collectors.similarity import local as local_mod
 from collectors.similarity.base import Embedder
 from tests.fixtures.servers import free_port, sim_config
@@ -108,13 +89,13 @@ def test_local_embeddings_are_normalised_deterministic_and_zero_for_empty(local)
 
 
 def test_paraphrases_score_high_unrelated_low(local):
-    para = similarities_with([(text(a), text(b)) for a, b in PARAPHRASES], local.embed_sync)
-    unrelated = similarities_with([(text(a), text(b)) for a, b in UNRELATED], local.embed_sync)
+    para = score.similarities_with([(text(a), text(b)) for a, b in PARAPHRASES], local.embed_sync)
+    unrelated = score.similarities_with([(text(a), text(b)) for a, b in UNRELATED], local.embed_sync)
     assert min(para) >= 0.5, para
     assert max(unrelated) <= 0.3, unrelated
     assert np.mean(para) - np.mean(unrelated) >= 0.5
     assert all(0.0 <= s <= 1.0 for s in para + unrelated)
-    assert similarity(text("Same words."), text("Same words.")) == 1.0  # no embedding needed
+    assert score.similarity(text("Same words."), text("Same words.")) == 1.0  # no embedding needed
 
 
 def test_async_embed_matches_sync_inline_or_on_a_thread(local):
@@ -192,80 +173,83 @@ def test_local_model_loads_offline_without_touching_home_or_logging(tmp_path):
 def test_json_one_wrong_field_costs_one_field():
     live = Answer("json", json.dumps({"name": "Ada", "age": 36, "city": "London", "lang": "en"}))
     cand = Answer("json", json.dumps({"lang": "en", "city": "Paris", "age": 36.0, "name": "Ada"}))
-    assert similarity(live, cand) == 0.75                       # key order and 36 vs 36.0 don't matter
-    assert similarity(live, live) == 1.0
+    assert score.similarity(live, cand) == 0.75                       # key order and 36 vs 36.0 don't matter
+    assert score.similarity(live, live) == 1.0
     missing = Answer("json", json.dumps({"name": "Ada", "age": 36, "city": "London"}))
-    assert similarity(live, missing) == 0.75                    # a key on one side only is a mismatched leaf
+    assert score.similarity(live, missing) == 0.75                    # a key on one side only is a mismatched leaf
     extra = Answer("json", json.dumps({"name": "Ada", "age": 36, "city": "London", "lang": "en", "x": 1}))
-    assert similarity(live, extra) == 0.8
+    assert score.similarity(live, extra) == 0.8
     fenced = Answer("json", "```json\n" + live.text + "\n```")
-    assert similarity(live, fenced) == 1.0
+    assert score.similarity(live, fenced) == 1.0
 
 
 def test_json_structure_details():
-    assert json_similarity({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == 0.5
-    assert json_similarity({"a": {"b": 1, "c": 2}}, {"a": 5}) == 0.0       # object vs scalar: all mismatched
-    assert json_similarity([1, 2, 3], [1, 2, 4]) == pytest.approx(2 / 3)   # arrays position by position
-    assert json_similarity([1, 2, 3], [1, 2]) == pytest.approx(2 / 3)
-    assert json_similarity({"x": True}, {"x": 1}) == 0.0                   # true is not 1
-    assert json_similarity({"x": " café "}, {"x": "cafe\u0301"}) == 1.0   # NFC, stripped
-    assert json_similarity({}, {}) == 1.0 and json_similarity({}, []) == 0.0
-    assert json_similarity(None, None) == 1.0 and json_similarity({"a": None}, {"a": 0}) == 0.0
+    assert score.json_similarity({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == 0.5
+    assert score.json_similarity({"a": {"b": 1, "c": 2}}, {"a": 5}) == 0.0       # object vs scalar: all mismatched
+    assert score.json_similarity([1, 2, 3], [1, 2, 4]) == pytest.approx(2 / 3)   # arrays position by position
+    assert score.json_similarity([1, 2, 3], [1, 2]) == pytest.approx(2 / 3)
+    assert score.json_similarity({"x": True}, {"x": 1}) == 0.0                   # true is not 1
+    assert score.json_similarity({"x": " café "}, {"x": "cafe\u0301"}) == 1.0   # NFC, stripped
+    assert score.json_similarity({}, {}) == 1.0 and score.json_similarity({}, []) == 0.0
+    assert score.json_similarity(None, None) == 1.0 and score.json_similarity({"a": None}, {"a": 0}) == 0.0
 
 
 def test_json_that_does_not_parse(local):
     good = Answer("json", '{"a": 1}')
-    assert similarity(good, Answer("json", "{not json")) == 0.0
+    assert score.similarity(good, Answer("json", "{not json")) == 0.0
     # neither parses: both are compared as text, by embeddings
     a, b = Answer("json", PARAPHRASES[0][0]), Answer("json", PARAPHRASES[0][1])
-    assert texts_to_embed([(a, b)]) == [a.text, b.text]
-    assert similarities_with([(a, b)], local.embed_sync)[0] >= 0.5
+    assert score.texts_to_embed([(a, b)]) == [a.text, b.text]
+    assert score.similarities_with([(a, b)], local.embed_sync)[0] >= 0.5
 
 
 def test_tool_calls():
     weather = ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
-    assert tool_calls_similarity([weather], [ToolCall("get_forecast", weather.arguments)]) == 0.0
-    assert tool_calls_similarity([weather], [ToolCall("get_weather", '{"unit": "celsius", "city": "Paris"}')]) == 1.0
-    assert tool_calls_similarity([weather], [ToolCall("get_weather", '{"city": "Rome", "unit": "celsius"}')]) == 0.5
-    assert tool_calls_similarity([weather], [ToolCall("get_weather", "{broken")]) == 0.0
-    assert tool_calls_similarity([ToolCall("ping", "")], [ToolCall("ping", "{}")]) == 1.0
+    assert score.tool_calls_similarity([weather], [ToolCall("get_forecast", weather.arguments)]) == 0.0
+    reordered = ToolCall("get_weather", '{"unit": "celsius", "city": "Paris"}')
+    assert score.tool_calls_similarity([weather], [reordered]) == 1.0
+    other_city = ToolCall("get_weather", '{"city": "Rome", "unit": "celsius"}')
+    assert score.tool_calls_similarity([weather], [other_city]) == 0.5
+    assert score.tool_calls_similarity([weather], [ToolCall("get_weather", "{broken")]) == 0.0
+    assert score.tool_calls_similarity([ToolCall("ping", "")], [ToolCall("ping", "{}")]) == 1.0
     # parallel calls in another order are paired by name
     time_ = ToolCall("get_time", '{"tz": "CET"}')
-    assert tool_calls_similarity([weather, time_], [time_, weather]) == 1.0
-    assert tool_calls_similarity([weather, time_], [weather]) == 0.0     # another set of names
+    assert score.tool_calls_similarity([weather, time_], [time_, weather]) == 1.0
+    assert score.tool_calls_similarity([weather, time_], [weather]) == 0.0     # another set of names
     a = Answer("tool_calls", tool_calls=(weather,))
-    assert similarity(a, Answer("tool_calls", tool_calls=(ToolCall("get_forecast", weather.arguments),))) == 0.0
+    assert score.similarity(a, Answer("tool_calls", tool_calls=(ToolCall("get_forecast", weather.arguments),))) == 0.0
 
 
 def test_refusals_empties_and_kind_mismatches():
     refusal = Answer("refusal", "I can't help with that.")
-    assert similarity(refusal, text("Sure, here is how.")) == 0.0
-    assert similarity(text("Sure, here is how."), refusal) == 0.0
-    assert similarity(refusal, Answer("refusal", "Sorry, I cannot do this.")) == 1.0
-    assert similarity(text(""), text("")) == 1.0
-    assert similarity(text(""), text("Paris.")) == 0.0
-    assert similarity(Answer("json", ""), Answer("json", "")) == 1.0
-    assert similarity(text("call it"), Answer("tool_calls", tool_calls=(ToolCall("f", "{}"),))) == 0.0
-    assert texts_to_embed([(refusal, text("x")), (text(""), text("y"))]) == []
+    assert score.similarity(refusal, text("Sure, here is how.")) == 0.0
+    assert score.similarity(text("Sure, here is how."), refusal) == 0.0
+    assert score.similarity(refusal, Answer("refusal", "Sorry, I cannot do this.")) == 1.0
+    assert score.similarity(text(""), text("")) == 1.0
+    assert score.similarity(text(""), text("Paris.")) == 0.0
+    assert score.similarity(Answer("json", ""), Answer("json", "")) == 1.0
+    assert score.similarity(text("call it"), Answer("tool_calls", tool_calls=(ToolCall("f", "{}"),))) == 0.0
+    assert score.texts_to_embed([(refusal, text("x")), (text(""), text("y"))]) == []
 
 
 def test_answer_of_parses_openai_messages():
-    assert answer_of({"role": "assistant", "content": "  Paris.  "}) == Answer("text", "Paris.")
-    assert answer_of({"content": '{"a": 1}'}, wants_json=True) == Answer("json", '{"a": 1}')
-    assert answer_of({"content": [{"type": "text", "text": "Par"}, {"type": "text", "text": "is"}]}).text == "Paris"
-    assert answer_of({"content": None, "refusal": "I can't."}) == Answer("refusal", "I can't.")
-    assert answer_of({"content": None}) == Answer("text", "")
-    calls = answer_of({"content": None, "tool_calls": [
+    assert score.answer_of({"role": "assistant", "content": "  Paris.  "}) == Answer("text", "Paris.")
+    assert score.answer_of({"content": '{"a": 1}'}, wants_json=True) == Answer("json", '{"a": 1}')
+    parts = [{"type": "text", "text": "Par"}, {"type": "text", "text": "is"}]
+    assert score.answer_of({"content": parts}).text == "Paris"
+    assert score.answer_of({"content": None, "refusal": "I can't."}) == Answer("refusal", "I can't.")
+    assert score.answer_of({"content": None}) == Answer("text", "")
+    calls = score.answer_of({"content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]})
     assert calls == Answer("tool_calls", tool_calls=(ToolCall("get_weather", '{"city":"Paris"}'),))
-    legacy = answer_of({"content": None, "function_call": {"name": "f", "arguments": {"x": 1}}})
+    legacy = score.answer_of({"content": None, "function_call": {"name": "f", "arguments": {"x": 1}}})
     assert legacy.tool_calls == (ToolCall("f", '{"x": 1}'),)
     completion = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
-    assert answer_of_completion(completion) == Answer("text", "hi")
-    assert answer_of_completion(None) is None and answer_of_completion({"choices": []}) is None
-    assert wants_json({"response_format": {"type": "json_object"}})
-    assert wants_json({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}})
-    assert not wants_json({"response_format": {"type": "text"}}) and not wants_json({})
+    assert score.answer_of_completion(completion) == Answer("text", "hi")
+    assert score.answer_of_completion(None) is None and score.answer_of_completion({"choices": []}) is None
+    assert score.wants_json({"response_format": {"type": "json_object"}})
+    assert score.wants_json({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}})
+    assert not score.wants_json({"response_format": {"type": "text"}}) and not score.wants_json({})
 
 
 # ---- batching -------------------------------------------------------------------------------------
@@ -274,24 +258,24 @@ def test_one_record_is_one_embed_call_with_the_live_answer_once(local):
     live, cand = text(PARAPHRASES[0][0]), text(PARAPHRASES[0][1])
     again = text("The capital city of France is Paris.")
     rec = Recording(local)
-    scores = asyncio.run(score_record(live, cand, again, rec))
+    scores = asyncio.run(score.score_record(live, cand, again, rec))
     assert rec.calls == [[live.text, cand.text, again.text]]
     assert 0.5 <= scores.candidate_vs_stable <= 1.0 and 0.5 <= scores.stable_vs_stable <= 1.0
     assert scores.as_dict().keys() == {"candidate_vs_stable", "stable_vs_stable"}
 
     rec.calls.clear()  # a missing stable-again answer: no score for it, nothing embedded for it
-    scores = asyncio.run(score_record(live, cand, None, rec))
+    scores = asyncio.run(score.score_record(live, cand, None, rec))
     assert rec.calls == [[live.text, cand.text]] and scores.stable_vs_stable is None
 
     rec.calls.clear()  # nothing textual to compare: no embed call at all
-    scores = asyncio.run(score_record(live, Answer("refusal", "No."), live, rec))
+    scores = asyncio.run(score.score_record(live, Answer("refusal", "No."), live, rec))
     assert rec.calls == [] and scores.candidate_vs_stable == 0.0 and scores.stable_vs_stable == 1.0
 
 
 def test_many_records_one_embed_call(local):
     records = [(text(a), text(b), text(u)) for (a, b), (_, u) in zip(PARAPHRASES, UNRELATED)]
     rec = Recording(local)
-    out = asyncio.run(score_records(records, rec))
+    out = asyncio.run(score.score_records(records, rec))
     # one call; each distinct text once (the unrelated answers reuse other records' candidates)
     assert len(rec.calls) == 1 and len(rec.calls[0]) == len(set(rec.calls[0])) == 10
     for r in out:
@@ -302,10 +286,10 @@ def test_stability_is_mean_pairwise_similarity(local):
     same = [text(PARAPHRASES[0][0]), text(PARAPHRASES[0][1]), text("Paris is the capital of France.")]
     wild = [text(PARAPHRASES[0][0]), text(PARAPHRASES[3][1]), text(PARAPHRASES[4][0])]
     rec = Recording(local)
-    steady = asyncio.run(mean_pairwise_similarity(same, rec))
+    steady = asyncio.run(score.mean_pairwise_similarity(same, rec))
     assert len(rec.calls) == 1
-    assert steady > asyncio.run(mean_pairwise_similarity(wild, local)) + 0.3
-    assert asyncio.run(mean_pairwise_similarity(same[:1], local)) is None
+    assert steady > asyncio.run(score.mean_pairwise_similarity(wild, local)) + 0.3
+    assert asyncio.run(score.mean_pairwise_similarity(same[:1], local)) is None
 
 
 # ---- the endpoint backend -------------------------------------------------------------------------
@@ -378,7 +362,7 @@ def test_endpoint_over_http_keeps_the_semantics(local):
             base = f"http://127.0.0.1:{port}/v1"
             async with EndpointEmbedder(base, "team-embedder", api_key="sk-team") as e:
                 pairs = [(text(a), text(b)) for a, b in PARAPHRASES + UNRELATED]
-                remote_scores = await similarities(pairs, e)
+                remote_scores = await score.similarities(pairs, e)
                 vectors = await e.embed([a for a, _ in PARAPHRASES])
                 version = e.version
             async with EndpointEmbedder(base + "/", "team-embedder", headers={"X-B64": "1"}) as e:
@@ -388,7 +372,7 @@ def test_endpoint_over_http_keeps_the_semantics(local):
             await runner.cleanup()
 
     remote_scores, vectors, version, b64 = asyncio.run(main())
-    local_scores = similarities_with([(text(a), text(b)) for a, b in PARAPHRASES + UNRELATED], local.embed_sync)
+    local_scores = score.similarities_with([(text(a), text(b)) for a, b in PARAPHRASES + UNRELATED], local.embed_sync)
     assert np.allclose(remote_scores, local_scores, atol=1e-5)
     assert min(remote_scores[:len(PARAPHRASES)]) >= 0.5 and max(remote_scores[len(PARAPHRASES):]) <= 0.3
     assert np.allclose(vectors, local.embed_sync([a for a, _ in PARAPHRASES]), atol=1e-5)

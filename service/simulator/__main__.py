@@ -1,4 +1,4 @@
-"""`python -m service.simulator --config FILE [--host H] [--port P]` (the CLI's `simulate` does the same)."""
+"""`python -m service.simulator --config FILE [--host H] [--port P]` (the CLI's `simulate` runs `run`, too)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,18 @@ from service.simulator.config import load_simulator_config
 from service.simulator.server import serve
 
 
+def run(config_path: str, host: str, port: int) -> int:
+    """Serve the simulator config file until SIGINT or SIGTERM: 0, or 1 after printing its problems.
+    An OSError (cannot listen) is the caller's to report: each command words it its own way."""
+    try:
+        config = load_simulator_config(config_path)
+    except ConfigError as e:
+        print(e.explain("simulator config"), file=sys.stderr)
+        return 1
+    serve(config, host, port)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.simulator",
                                      description="OpenAI-compatible simulated LLMs (DESIGN §8b).")
@@ -18,16 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=9001, help="0 picks a free port (printed on start)")
     args = parser.parse_args(argv)
     try:
-        config = load_simulator_config(args.config)
-    except ConfigError as e:
-        print(e.explain("simulator config"), file=sys.stderr)
-        return 1
-    try:
-        serve(config, args.host, args.port)
+        return run(args.config, args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -80,21 +80,18 @@ class Failures(Strict):
     bad_response: Probability = 0.0
 
 
-class FailuresPatch(Strict):
-    """Failures in an override: only the keys given replace the base values."""
+class FailuresPatch(Failures):
+    """Failures in an override: only the keys given replace the base values (a null one is not given)."""
 
-    rate_limited: Probability | None = None
-    provider_5xx: Probability | None = None
-    timeout: Probability | None = None
-    truncated: Probability | None = None
-    content_filtered: Probability | None = None
-    refusal: Probability | None = None
-    empty_output: Probability | None = None
-    invalid_json: Probability | None = None
-    invalid_tool_call: Probability | None = None
-    quota_exceeded: Probability | None = None
-    auth_error: Probability | None = None
-    bad_response: Probability | None = None
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+    def given(self) -> dict[str, float]:
+        return self.model_dump(include=self.model_fields_set)
 
 
 class Overrides(Strict):
@@ -183,8 +180,7 @@ def _apply(state: dict, o: Overrides) -> None:
         if value is not None:
             state[name] = value
     if o.failures is not None:
-        for kind, p in o.failures.model_dump(exclude_none=True).items():
-            state["failures"][kind] = p
+        state["failures"].update(o.failures.given())
 
 
 def resolve(model: SimModel, segment: str | None, phases_passed: int) -> Effective:
