@@ -2,7 +2,7 @@
 
 Each check names what moved, so an upgrade past the pins in pyproject fails here, loudly, and not
 as a slow proxy, a hung drain or a producer that never closes. The modules that reach in:
-service/proxy/fast_path.py (FastAPI, Starlette), service/proxy/server.py (uvicorn),
+service/proxy/fast_path.py (FastAPI, Starlette), service/proxy/server.py and native.py (uvicorn),
 service/bus/kafka/internals.py (kafka-python).
 """
 
@@ -33,6 +33,7 @@ from service.bus.kafka.consumer import KafkaSubscription
 from service.bus.kafka.internals import finish_stalled_join, force_close, session_age, topic_id
 from service.config import KafkaConfig, SpoolConfig
 from service.proxy.fast_path import CHAT_PATH, ProxyApp, native_telemetry_on
+from service.proxy.native import ChatCycle
 from service.proxy.server import GuardedHttpToolsProtocol
 
 pytestmark = pytest.mark.timeout(120)
@@ -201,6 +202,147 @@ def test_a_whole_response_goes_out_in_one_send_and_a_streams_head_at_once():
                 rest = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
                 assert b"data: 1" in rest, rest
             theirs.close()
+
+    asyncio.run(go())
+
+
+class Answerer:
+    """Stands in for the Proxy below ASGI: answers `native <model>`, each answer once `release` is set."""
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self.release = asyncio.Event()
+        self.release.set()
+        self.gone_at_answer: list[bool] = []
+
+    def body_limit(self) -> int:
+        return self.limit
+
+    async def answer_chat(self, started, headers, raw, gone) -> PlainTextResponse:
+        await self.release.wait()
+        self.gone_at_answer.append(gone())
+        return PlainTextResponse(f"native {json.loads(raw)['model']} {headers.get('x-n', '')}".strip())
+
+
+def native_app(answerer: Answerer) -> ProxyApp:
+    app = shortcut_app()
+    app.chat_answerer = answerer
+    return app
+
+
+async def connect(app) -> tuple[GuardedHttpToolsProtocol, socket.socket]:
+    loop = asyncio.get_running_loop()
+    protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(app, log_level="warning", proxy_headers=False),
+                                        server_state=ServerState(), app_state={}, _loop=loop)
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    await loop.connect_accepted_socket(lambda: protocol, ours)
+    return protocol, theirs
+
+
+def chat_request(model: str, *headers: bytes, version: bytes = b"1.1", path: bytes = CHAT_PATH.encode()) -> bytes:
+    body = json.dumps({"model": model}).encode()
+    head = b"POST %s HTTP/%s\r\nHost: x\r\nContent-Length: %d\r\n" % (path, version, len(body))
+    return head + b"".join(h + b"\r\n" for h in headers) + b"\r\n" + body
+
+
+async def read_answers(sock: socket.socket, n: int) -> list[bytes]:
+    """n whole answers (each with a content-length) from one connection."""
+    loop, data, answers = asyncio.get_running_loop(), b"", []
+    while len(answers) < n:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        length = [int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length")]
+        if sep and length and len(rest) >= length[0]:
+            answers.append(head + sep + rest[:length[0]])
+            data = rest[length[0]:]
+            continue
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 5)
+        assert chunk, f"the connection closed after {len(answers)} of {n} answers"
+        data = (data + chunk).removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return answers
+
+
+def test_chat_requests_are_answered_below_asgi_in_order_on_a_kept_alive_connection():
+    """ChatCycle stands where uvicorn keeps its cycle: keep-alive, a pipelined request queued behind one
+    still answering, and each answer in one write."""
+    async def go():
+        answerer = Answerer()
+        protocol, theirs = await connect(native_app(answerer))
+        answerer.release.clear()
+        await asyncio.get_running_loop().sock_sendall(theirs, chat_request("a", b"x-n: 1") + chat_request("b", b"x-n: 2"))
+        while not protocol.pipeline:  # the second waits behind the first
+            await asyncio.sleep(0.001)
+        assert isinstance(protocol.cycle, ChatCycle)
+        answerer.release.set()
+        first, second = await read_answers(theirs, 2)
+        assert first.startswith(b"HTTP/1.1 200 OK\r\n") and first.endswith(b"\r\n\r\nnative a 1"), first
+        assert second.endswith(b"native b 2") and b"connection: close" not in second.lower(), second
+        third, _ = await asyncio.gather(read_answers(theirs, 1),
+                                       asyncio.get_running_loop().sock_sendall(theirs, chat_request("c")))
+        assert third[0].endswith(b"native c"), third
+        assert protocol.server_state.total_requests == 3 and answerer.gone_at_answer == [False] * 3
+        theirs.close()
+
+    asyncio.run(go())
+
+
+def test_the_asgi_route_takes_the_chat_requests_the_protocol_does_not_answer_itself():
+    async def go():
+        requests = {
+            "over the body limit": chat_request("m" * 2000),
+            "chunked": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       b"e\r\n{\"model\": \"m\"}\r\n0\r\n\r\n",
+            "expect 100-continue": chat_request("m", b"Expect: 100-continue"),
+            "a query string": chat_request("m", path=b"/v1/chat/completions?x=1"),
+        }
+        for what, raw in requests.items():
+            protocol, theirs = await connect(native_app(Answerer(limit=1000)))
+            await asyncio.get_running_loop().sock_sendall(theirs, raw)
+            [answer] = await read_answers(theirs, 1)
+            model = b"m" * 2000 if what == "over the body limit" else b"m"
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\nfast " + model), (what, answer)
+            assert not isinstance(protocol.cycle, ChatCycle), what
+            theirs.close()
+
+    asyncio.run(go())
+
+
+def test_a_chat_answer_below_asgi_closes_when_http_1_0_or_shutting_down_and_hears_the_client_leave():
+    async def go():
+        loop = asyncio.get_running_loop()
+        protocol, theirs = await connect(native_app(Answerer()))
+        await loop.sock_sendall(theirs, chat_request("old", version=b"1.0"))
+        [answer] = await read_answers(theirs, 1)
+        assert b"\r\nconnection: close\r\n" in answer and answer.endswith(b"native old"), answer
+        assert await asyncio.wait_for(loop.sock_recv(theirs, 10), 5) == b""  # closed after it
+        theirs.close()
+
+        answerer = Answerer()
+        protocol, theirs = await connect(native_app(answerer))
+        answerer.release.clear()
+        await loop.sock_sendall(theirs, chat_request("m"))
+        while not isinstance(protocol.cycle, ChatCycle):
+            await asyncio.sleep(0.001)
+        protocol.shutdown()  # the server stops: this answer is the connection's last
+        answerer.release.set()
+        [answer] = await read_answers(theirs, 1)
+        assert b"\r\nconnection: close\r\n" in answer, answer
+        theirs.close()
+
+        answerer = Answerer()
+        protocol, theirs = await connect(native_app(answerer))
+        answerer.release.clear()
+        await loop.sock_sendall(theirs, chat_request("m"))
+        while not isinstance(protocol.cycle, ChatCycle):
+            await asyncio.sleep(0.001)
+        cycle = protocol.cycle
+        theirs.close()
+        while not cycle.disconnected:
+            await asyncio.sleep(0.001)
+        answerer.release.set()
+        while not cycle.response_complete and not answerer.gone_at_answer:
+            await asyncio.sleep(0.001)
+        assert answerer.gone_at_answer == [True]
 
     asyncio.run(go())
 

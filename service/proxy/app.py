@@ -228,6 +228,7 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
     app.state.runtime = runtime
     proxy = runtime.proxy
     app.fast_chat = proxy.chat
+    app.chat_answerer = proxy
 
     @app.post(CHAT_PATH, openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": CHAT_REQUEST_SCHEMA}}}},

@@ -7,16 +7,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.types import Scope
 
 from service import metrics
-from service.config import Checks, Config
+from service.config import Checks, Config, ModelConfig
 from service.errors import ErrorResponse, openai_error
 from service.proxy.outcome import COMPLETED, Verdict, classify_chat, failed
 from service.proxy.recorder import Call, Recorder
@@ -74,6 +73,9 @@ class Proxy:
         self.client_keys = _client_keys(config)
 
     # ---- request parsing -------------------------------------------------------------------
+    def body_limit(self) -> int:
+        return self.config.server.max_body_bytes
+
     async def read_body(self, request: Request) -> bytes:
         limit = self.config.server.max_body_bytes
         declared = request.headers.get("content-length")
@@ -140,14 +142,26 @@ class Proxy:
         return headers.get("authorization") if self.client_keys is None else None
 
     # ---- chat completions ------------------------------------------------------------------
-    async def chat(self, request: Request) -> Response:  # noqa: C901 - the hot path stays one function (no call per step per request)
+    async def chat(self, request: Request) -> Response:
+        """`POST /v1/chat/completions` through ASGI: the app's route, for requests the HTTP protocol does
+        not answer itself (service/proxy/native.py)."""
         started = time.perf_counter()
+        try:
+            raw = await self.read_body(request)
+        except BadRequest as e:
+            return e.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return await self.answer_chat(started, header_map(request.scope["headers"]), raw, partial(client_gone, request.receive))
+
+    async def answer_chat(self, started: float, headers: dict[str, str], raw: bytes,  # noqa: C901 - the hot path stays one function (no call per step per request)
+                          gone: Callable[[], bool]) -> Response:
+        """A chat request whose body is in: `headers` with lower-case names, `gone()` whether the client
+        has left."""
         request_id = os.urandom(12).hex()
         if self.draining:
             return openai_error(503, "the proxy is shutting down; retry on another replica", code="draining")
-        headers = _header_map(request.scope)
         try:
-            raw = await self.read_body(request)
             body = self.parse_json(raw)
             name, route = self.resolve(body.get("model"), headers)
             if "messages" not in body or not isinstance(body["messages"], list):
@@ -157,8 +171,6 @@ class Proxy:
                 raise BadRequest(400, f"field 'stream' must be a boolean, got {json.dumps(stream)[:40]}", param="stream")
         except BadRequest as e:
             return e.response()
-        except ClientDisconnect:
-            return Response(status_code=499)
         session_key = headers.get("x-session-id") or (body.get("user") if isinstance(body.get("user"), str) else None)
         if route is not None:
             rc = self.config.routes[route]
@@ -177,18 +189,7 @@ class Proxy:
         provider = self.providers[model.provider]
         asked = model_body(body, model)
         out = json.dumps(asked, separators=(",", ":"), ensure_ascii=False).encode()
-        up_headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"}
-        auth = provider.auth_header(self._client_auth(headers))
-        if auth:
-            up_headers["Authorization"] = auth
-        if self.tracing is not None:
-            call.span = self.tracing.start_call(route=route, role=role, request_model=model.name,
-                                                provider=model.provider, traceparent=call.traceparent,
-                                                tracestate=headers.get("tracestate"), stream=call.stream)
-            assert call.span is not None  # enabled tracing starts a span
-            up_headers.update(call.span.upstream_headers())
-        elif call.traceparent:
-            up_headers["traceparent"] = call.traceparent
+        up_headers = self.upstream_headers(call, model, provider, headers)
         judge = partial(classify_chat, asked, checks=self._checks(call))
 
         self._start(call)
@@ -203,7 +204,7 @@ class Proxy:
             answer = self._plain(call, sent, judge)
         except Exception:
             answer = self.unjudged(call)
-        return self.respond(request, call, answer)
+        return self.respond(gone, call, answer)
 
     # ---- pieces every proxied endpoint shares ------------------------------------------------
     def _start(self, call: Call) -> None:
@@ -240,10 +241,30 @@ class Proxy:
         call.status = attempt.reply.status
         return attempt.reply
 
-    def respond(self, request: Request, call: Call, response: Response) -> Response:
+    def upstream_headers(self, call: Call, model: ModelConfig, provider: Provider, headers: Mapping[str, str],
+                         forwarded: tuple[str, ...] = ()) -> dict[str, str]:
+        """The upstream request's headers: the provider's key (else the client's), the `forwarded` client
+        headers, and the trace context; starts the call's span when tracing is on."""
+        up_headers = {"Content-Type": "application/json",
+                      "Accept": "text/event-stream" if call.stream else "application/json"}
+        up_headers.update((k, headers[k]) for k in forwarded if k in headers)
+        auth = provider.auth_header(self._client_auth(headers))
+        if auth:
+            up_headers["Authorization"] = auth
+        if self.tracing is not None:
+            call.span = self.tracing.start_call(route=call.route, role=call.role, request_model=model.name,
+                                                provider=model.provider, traceparent=call.traceparent,
+                                                tracestate=headers.get("tracestate"), stream=call.stream)
+            assert call.span is not None  # enabled tracing starts a span
+            up_headers.update(call.span.upstream_headers())
+        elif call.traceparent:
+            up_headers["traceparent"] = call.traceparent
+        return up_headers
+
+    def respond(self, gone: Callable[[], bool], call: Call, response: Response) -> Response:
         """A whole (not streamed) answer for a call whose verdict is set: a client that already hung up
         never receives it, so its call is `client_cancelled` whatever the upstream answered."""
-        if client_gone(request.receive):
+        if gone():
             call.verdict = failed("client_cancelled")
             call.status = 499  # nginx's "client closed request": no status reached the client
         return self._after_send(call, response)
@@ -384,7 +405,7 @@ class Proxy:
         if call.stream and sent.status == 200:
             return StreamRelay(call, sent, partial(self._classify_stream, call, None), self._done).response(
                 self._headers(call, sent) | SSE_HEADERS, media_type=sent.headers.get("content-type", "text/event-stream"))
-        return self.respond(request, call, self._passed_through(call, sent))
+        return self.respond(partial(client_gone, request.receive), call, self._passed_through(call, sent))
 
     def _passed_through(self, call: Call, reply: UpstreamReply) -> Response:
         """A passed-through endpoint's whole answer, judged by its status (an error's by its body too)."""
@@ -430,12 +451,12 @@ def passed_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def _header_map(scope: Scope) -> dict[str, str]:
-    """The request's headers as a plain dict, built in one pass: several lookups in Starlette's
-    `Headers` each scan and decode the whole list. ASGI header names are lower-case; a repeated
+def header_map(pairs: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """A request's headers (ASGI's list of lower-case names and values) as a plain dict, built in one
+    pass: several lookups in Starlette's `Headers` each scan and decode the whole list. A repeated
     header gives its first value, as `Headers.get` does."""
     out: dict[str, str] = {}
-    for name, value in scope["headers"]:
+    for name, value in pairs:
         key = name.decode("latin-1")
         if key not in out:
             out[key] = value.decode("latin-1")

@@ -19,14 +19,14 @@ from functools import partial
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from service.proxy.chat import BadRequest, Proxy, _header_map, _json_or_none
+from service.proxy.chat import BadRequest, Proxy, _json_or_none, header_map
 from service.proxy.formats import ApiFormat
 from service.proxy.outcome import COMPLETED, Verdict, failed
 from service.proxy.owners import ResponseOwners
 from service.proxy.recorder import Call
 from service.proxy.routing import pick
 from service.proxy.segments import classify_segment
-from service.proxy.streaming import SSE_HEADERS, StreamRelay
+from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.records import Role
 from service.upstream.base import UpstreamReply
 
@@ -47,7 +47,7 @@ class FormatEndpoint:
         request_id = os.urandom(12).hex()
         if proxy.draining:
             return fmt.error_response(503, "the proxy is shutting down; retry on another replica", code="draining")
-        headers = _header_map(request.scope)
+        headers = header_map(request.scope["headers"])
         if "authorization" not in headers and "x-api-key" in headers:  # how Anthropic clients send their key
             headers["authorization"] = "Bearer " + headers["x-api-key"]
         try:
@@ -90,19 +90,7 @@ class FormatEndpoint:
         out = json.dumps(asked, separators=(",", ":"), ensure_ascii=False).encode()
         if model.params or model.system_prompt is not None:
             view = fmt.view(asked)  # the answer is judged against what the model was asked
-        up_headers = {"Content-Type": "application/json", "Accept": "text/event-stream" if stream else "application/json"}
-        up_headers.update((k, headers[k]) for k in FORWARDED_REQUEST_HEADERS if k in headers)
-        auth = provider.auth_header(proxy._client_auth(headers))
-        if auth:
-            up_headers["Authorization"] = auth
-        if proxy.tracing is not None:
-            call.span = proxy.tracing.start_call(route=route, role=role, request_model=model.name,
-                                                 provider=model.provider, traceparent=call.traceparent,
-                                                 tracestate=headers.get("tracestate"), stream=call.stream)
-            assert call.span is not None  # enabled tracing starts a span
-            up_headers.update(call.span.upstream_headers())
-        elif call.traceparent:
-            up_headers["traceparent"] = call.traceparent
+        up_headers = proxy.upstream_headers(call, model, provider, headers, FORWARDED_REQUEST_HEADERS)
 
         proxy._start(call)
         sent = await proxy.forward(call, provider, fmt.path, out, up_headers,
@@ -117,7 +105,7 @@ class FormatEndpoint:
             answer = self._plain(call, sent, view)
         except Exception:
             answer = proxy.unjudged(call, fmt.error_response)
-        return proxy.respond(request, call, answer)
+        return proxy.respond(partial(client_gone, request.receive), call, answer)
 
     async def _pick(self, name: str, route: str | None, body: dict, session_key: str | None,
                     stateful: str | None, segment: str) -> tuple[str, Role]:

@@ -1,5 +1,9 @@
 """The one place the proxy reaches into FastAPI: `POST /v1/chat/completions` skips the framework.
 
+Most chat requests do not reach the app at all: the HTTP protocol answers them below ASGI
+(service/proxy/native.py), under the same conditions as this shortcut (`native_chat`). The
+shortcut serves the rest: chunked or oversized bodies, `Expect: 100-continue`, a query string.
+
 FastAPI's `__call__` runs the whole middleware stack (ServerErrorMiddleware, ExceptionMiddleware,
 the router) and its per-request dependency solving before our handler, which parses the body
 itself anyway. Going straight to the handler measured at ~8% of a busy proxy's CPU in commit 89a2e4f
@@ -23,6 +27,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from service.errors import openai_error
+from service.proxy.native import ChatAnswerer
 
 log = logging.getLogger("modelcanary")
 
@@ -39,6 +44,7 @@ class ProxyApp(FastAPI):
     """
 
     fast_chat: Callable[[Request], Awaitable[Response]] | None = None  # set by create_app
+    chat_answerer: ChatAnswerer | None = None  # set by create_app: the route below ASGI (native.py)
     _shortcut: bool | None = None  # decided at the first request, when the app's setup is over
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -54,6 +60,12 @@ class ProxyApp(FastAPI):
             await response(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+    def native_chat(self) -> ChatAnswerer | None:
+        """Who answers chat requests below ASGI (service/proxy/native.py), when the shortcut is on: the
+        same conditions, since both skip the middleware stack. Asked when a connection is made, so
+        after the app's setup."""
+        return self.chat_answerer if self.shortcut() else None
 
     def shortcut(self) -> bool:
         """Whether the shortcut is on, decided once: middleware can't be added once the app has started,

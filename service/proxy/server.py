@@ -25,6 +25,9 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import error_body
+from service.proxy.chat import header_map
+from service.proxy.fast_path import CHAT_PATH, ProxyApp
+from service.proxy.native import ChatAnswerer, ChatCycle
 
 if TYPE_CHECKING:
     from service.proxy.app import Runtime
@@ -33,6 +36,7 @@ log = logging.getLogger("modelcanary.serve")
 
 MAX_HEAD_BYTES = 64 * 1024   # request line + headers; more is refused with 431
 HEAD_TIMEOUT_S = 10.0        # a connection must finish a request's headers this soon (slow-loris)
+CHAT_URL = CHAT_PATH.encode()
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -45,6 +49,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._answerer = self.app.native_chat() if isinstance(self.app, ProxyApp) else None
         self._head_bytes = 0
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.head_timeout_s, self._head_timeout)
@@ -74,11 +79,38 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
-        if not self._refused:
-            before = self.cycle
-            super().on_headers_complete()
-            if self.cycle is not before and self.cycle is not None:
-                self.cycle.transport = JoinedHead(self.transport, self.loop)  # type: ignore[assignment]
+        if self._refused:
+            return
+        if self._answerer is not None and self.url == CHAT_URL and self.parser.get_method() == b"POST":
+            cycle = self._chat_cycle(self._answerer)
+            if cycle is not None:
+                self._begin(cycle)
+                return
+        before = self.cycle
+        super().on_headers_complete()
+        if self.cycle is not before and self.cycle is not None:
+            self.cycle.transport = JoinedHead(self.transport, self.loop)  # type: ignore[assignment]
+
+    def _chat_cycle(self, answerer: ChatAnswerer) -> ChatCycle | None:
+        """A cycle for a chat request answered below ASGI, or None for one that ASGI's route takes: a body
+        that is chunked, undeclared or over the limit (its 413), an `Expect: 100-continue`, an upgrade."""
+        headers = header_map(self.headers)
+        declared = headers.get("content-length")
+        if (declared is None or not declared.isdigit() or int(declared) > answerer.body_limit()
+                or "transfer-encoding" in headers or self.expect_100_continue or self.parser.should_upgrade()):
+            return None
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        return ChatCycle(self.transport, self.flow, headers, keep_alive, self.on_response_complete, answerer)
+
+    def _begin(self, cycle: ChatCycle) -> None:
+        """As uvicorn starts its own cycles: now, or queued behind a pipelined request still answering."""
+        existing = self.cycle
+        self.cycle = cycle  # type: ignore[assignment]
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+        else:
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
