@@ -33,8 +33,8 @@ if __package__ in (None, ""):
 from benchmarks import harness as h
 
 # name → (kind, runner). Mine run in-process; the others' scripts run as they are, with --quick.
-BENCHMARKS = ("proxy_overhead", "streaming", "rate_sweep", "shadow_impact", "pipeline", "memory", "scaling",
-              "judge_quality")
+BENCHMARKS = ("proxy_overhead", "python_floor", "streaming", "rate_sweep", "shadow_impact", "pipeline", "memory",
+              "scaling", "judge_quality")
 EXTERNAL = {"shadow_impact": 900, "judge_quality": 900}   # script → time limit (s)
 
 
@@ -42,6 +42,8 @@ def run_internal(name: str, quick: bool, litellm: bool, portkey: bool = True, ro
     module = __import__(f"benchmarks.{name}", fromlist=["run"])
     if name == "proxy_overhead":
         return module.run(quick, litellm, with_portkey=portkey, rounds=rounds)
+    if name == "python_floor":
+        return module.run(quick, with_portkey=portkey)
     if name in ("streaming", "rate_sweep"):
         return module.run(quick, litellm)
     return module.run(quick)
@@ -109,6 +111,11 @@ def headline(results: dict[str, dict]) -> str:
     elif mc and _get(po, "peers/portkey/skipped_because"):
         add("Portkey (second peer)", "≥ 5× on both", "**not measured**: " + _get(po, "peers/portkey/skipped_because"),
             None)
+    floor = _get(results.get("python_floor") or {}, "added_p50_ms") or {}
+    if "floor" in floor and "floor+json" in floor:
+        budget = _get(results["python_floor"], "budget_ms")
+        add("Python floor, c=1: added p50 of a bare forwarder / + JSON / 5× less than Portkey's", "(bound)",
+            f"{h.fmt(floor['floor'], 3)} / {h.fmt(floor['floor+json'], 3)} / {h.fmt(budget, 3)} ms", None)
     rs = results.get("rate_sweep") or {}
     v = _get(rs, "added_p99_ms/modelcanary/500")
     add("added p99 at 500 req/s (open loop)", "≤ 2 ms", v, v is not None and v <= 2.0, " ms", 3)

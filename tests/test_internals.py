@@ -113,6 +113,9 @@ def test_uvicorn_httptools_protocol_has_every_method_the_guard_overrides():
         assert method is not None, f"HttpToolsProtocol.{name} is gone"
         assert list(inspect.signature(method).parameters)[1:] == params, f"HttpToolsProtocol.{name} changed"
     assert GuardedHttpToolsProtocol.__mro__[1] is HttpToolsProtocol
+    # what starts a ChatCycle as uvicorn starts its own cycles (service/proxy/native.py)
+    assert list(inspect.signature(HttpToolsProtocol._start_asgi_task).parameters) == ["self", "cycle", "app"]
+    assert list(inspect.signature(HttpToolsProtocol.on_response_complete).parameters) == ["self"]
 
 
 def test_uvicorn_server_has_what_the_draining_server_overrides():
@@ -270,8 +273,7 @@ def test_chat_requests_are_answered_below_asgi_in_order_on_a_kept_alive_connecti
         protocol, theirs = await connect(native_app(answerer))
         answerer.release.clear()
         await asyncio.get_running_loop().sock_sendall(theirs, chat_request("a", b"x-n: 1") + chat_request("b", b"x-n: 2"))
-        while not protocol.pipeline:  # the second waits behind the first
-            await asyncio.sleep(0.001)
+        await until(lambda: protocol.pipeline, "queued the second request")  # behind the first, still answering
         assert isinstance(protocol.cycle, ChatCycle)
         answerer.release.set()
         first, second = await read_answers(theirs, 2)
@@ -307,6 +309,23 @@ def test_the_asgi_route_takes_the_chat_requests_the_protocol_does_not_answer_its
     asyncio.run(go())
 
 
+async def until(ready, what: str) -> None:
+    """Wait (at most 5 s) for the protocol to reach a state."""
+    deadline = time.monotonic() + 5
+    while not ready():
+        assert time.monotonic() < deadline, f"never {what}"
+        await asyncio.sleep(0.001)
+
+
+async def held_chat(answerer: Answerer) -> tuple[GuardedHttpToolsProtocol, socket.socket, ChatCycle]:
+    """A chat request in its ChatCycle, its answer held back until `answerer.release` is set."""
+    protocol, theirs = await connect(native_app(answerer))
+    answerer.release.clear()
+    await asyncio.get_running_loop().sock_sendall(theirs, chat_request("m"))
+    await until(lambda: isinstance(protocol.cycle, ChatCycle), "a ChatCycle")
+    return protocol, theirs, protocol.cycle
+
+
 def test_a_chat_answer_below_asgi_closes_when_http_1_0_or_shutting_down_and_hears_the_client_leave():
     async def go():
         loop = asyncio.get_running_loop()
@@ -318,11 +337,7 @@ def test_a_chat_answer_below_asgi_closes_when_http_1_0_or_shutting_down_and_hear
         theirs.close()
 
         answerer = Answerer()
-        protocol, theirs = await connect(native_app(answerer))
-        answerer.release.clear()
-        await loop.sock_sendall(theirs, chat_request("m"))
-        while not isinstance(protocol.cycle, ChatCycle):
-            await asyncio.sleep(0.001)
+        protocol, theirs, _ = await held_chat(answerer)
         protocol.shutdown()  # the server stops: this answer is the connection's last
         answerer.release.set()
         [answer] = await read_answers(theirs, 1)
@@ -330,18 +345,11 @@ def test_a_chat_answer_below_asgi_closes_when_http_1_0_or_shutting_down_and_hear
         theirs.close()
 
         answerer = Answerer()
-        protocol, theirs = await connect(native_app(answerer))
-        answerer.release.clear()
-        await loop.sock_sendall(theirs, chat_request("m"))
-        while not isinstance(protocol.cycle, ChatCycle):
-            await asyncio.sleep(0.001)
-        cycle = protocol.cycle
+        protocol, theirs, cycle = await held_chat(answerer)
         theirs.close()
-        while not cycle.disconnected:
-            await asyncio.sleep(0.001)
+        await until(lambda: cycle.disconnected, "told the client left")
         answerer.release.set()
-        while not cycle.response_complete and not answerer.gone_at_answer:
-            await asyncio.sleep(0.001)
+        await until(lambda: answerer.gone_at_answer, "answered")
         assert answerer.gone_at_answer == [True]
 
     asyncio.run(go())

@@ -152,7 +152,8 @@ class Proxy:
             return e.response()
         except ClientDisconnect:
             return Response(status_code=499)
-        return await self.answer_chat(started, header_map(request.scope["headers"]), raw, partial(client_gone, request.receive))
+        gone = partial(client_gone, request.receive)
+        return await self.answer_chat(started, header_map(request.scope["headers"]), raw, gone)
 
     async def answer_chat(self, started: float, headers: dict[str, str], raw: bytes,  # noqa: C901 - the hot path stays one function (no call per step per request)
                           gone: Callable[[], bool]) -> Response:

@@ -8,8 +8,9 @@ reading `loop`, `transport` and `cycle.response_complete`, and setting `cycle.tr
 JoinedHead); DrainingServer overrides
 `Server.handle_exit` and `Server.on_tick` and sets `should_exit`, `force_exit` and
 `config.timeout_graceful_shutdown`. What they buy: the 431/408 limits uvicorn lacks, one send per
-whole response instead of two, and a drain that the proxy decides (readiness first, then in-flight
-work, bounded by server.drain_seconds).
+whole response instead of two, chat requests answered below ASGI (`ChatCycle`, service/proxy/native.py,
+started through `_start_asgi_task` and the `pipeline` queue), and a drain that the proxy decides
+(readiness first, then in-flight work, bounded by server.drain_seconds).
 """
 
 from __future__ import annotations
