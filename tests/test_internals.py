@@ -355,6 +355,27 @@ def test_a_chat_answer_below_asgi_closes_when_http_1_0_or_shutting_down_and_hear
     asyncio.run(go())
 
 
+class BadHeaderAnswerer(Answerer):
+    async def answer_chat(self, started, headers, raw, gone) -> PlainTextResponse:
+        return PlainTextResponse("never sent", headers={"x-upstream": "a\x01b"})
+
+
+def test_an_answer_that_cannot_be_sent_closes_the_connection_and_is_logged(caplog):
+    """As uvicorn does with a header it refuses: the connection is closed, never a split header; the task
+    ends without an unretrieved exception."""
+    async def go():
+        protocol, theirs = await connect(native_app(BadHeaderAnswerer()))
+        await asyncio.get_running_loop().sock_sendall(theirs, chat_request("m"))
+        assert await asyncio.wait_for(asyncio.get_running_loop().sock_recv(theirs, 100), 5) == b""
+        await until(lambda: not protocol.tasks, "ended the answer's task")
+        theirs.close()
+
+    with caplog.at_level(logging.ERROR, logger="modelcanary"):
+        asyncio.run(go())
+    assert any("error while sending an answer: RuntimeError" in r.getMessage() for r in caplog.records), caplog.text
+    assert "never retrieved" not in caplog.text
+
+
 # ---- kafka-python ------------------------------------------------------------------------------------
 
 

@@ -98,11 +98,12 @@ class ChatCycle:
                 log.error("unhandled error on POST /v1/chat/completions: %s", type(exc).__name__, exc_info=exc)
                 response = openai_error(500, "internal proxy error", code="proxy_error")
             await response(_SCOPE, self.receive, self.send)
-        except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
-                log.error("error while sending an answer: %s", type(exc).__name__, exc_info=exc)
+        except asyncio.CancelledError:
             self.transport.close()
             raise
+        except Exception as exc:  # as uvicorn does once a response has started: the connection can't be trusted
+            log.error("error while sending an answer: %s", type(exc).__name__, exc_info=exc)
+            self.transport.close()
         finally:
             self.on_response = _nothing  # the protocol's next request is started once, from here at most
 
