@@ -17,7 +17,6 @@ tests/test_internals.py fails if those change shape.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,10 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.errors import openai_error
-from service.proxy.native import ChatAnswerer
-
-log = logging.getLogger("modelcanary")
+from service.proxy.native import ChatAnswerer, unhandled
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -55,8 +51,7 @@ class ProxyApp(FastAPI):
             try:
                 response = await self.fast_chat(request)
             except Exception as exc:
-                log.error("unhandled error on POST %s: %s", CHAT_PATH, type(exc).__name__, exc_info=exc)
-                response = openai_error(500, "internal proxy error", code="proxy_error")
+                response = unhandled(exc)
             await response(scope, receive, send)
             return
         await super().__call__(scope, receive, send)

@@ -95,8 +95,7 @@ class ChatCycle:
             try:
                 response = await self._answerer.answer_chat(started, self.headers, bytes(self.body), self.gone)
             except Exception as exc:
-                log.error("unhandled error on POST /v1/chat/completions: %s", type(exc).__name__, exc_info=exc)
-                response = openai_error(500, "internal proxy error", code="proxy_error")
+                response = unhandled(exc)
             await response(_SCOPE, self.receive, self.send)
         except asyncio.CancelledError:
             self.transport.close()
@@ -160,6 +159,13 @@ class ChatCycle:
             self.transport.write(b"".join(lines))
         else:
             self._head = b"".join(lines)
+
+
+def unhandled(exc: Exception) -> Response:
+    """The answer to a chat request whose handler failed unexpectedly (on either route): logged, and
+    the catch-all 500 in OpenAI's shape."""
+    log.error("unhandled error on POST /v1/chat/completions: %s", type(exc).__name__, exc_info=exc)
+    return openai_error(500, "internal proxy error", code="proxy_error")
 
 
 def _nothing() -> None:
