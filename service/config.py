@@ -550,6 +550,9 @@ def _describe(err: ValidationError) -> list[str]:
         kind = e["type"]
         if kind == "extra_forbidden":
             msg = "unknown key"
+        elif kind == "literal_error" and loc and loc[-1] == "[key]":  # a mapping whose keys are a fixed set
+            loc = loc[:-1]
+            msg = f"unknown key; expected {e['msg'].removeprefix('Input should be ')}"
         elif kind == "missing":
             msg = "required field is missing"
         else:

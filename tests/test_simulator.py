@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from service.config import ConfigError
-from service.simulator.config import FAILURE_KINDS, load_simulator_config
+from service.simulator.config import FAILURE_KINDS, load_simulator_config, parse_simulator_config, resolve
 from service.simulator.engine import REFUSAL_TEXT, InstanceGenerator
 from service.simulator.facts import read_facts
 
@@ -192,11 +192,13 @@ def sdk(sim):
 def test_example_config_loads():
     cfg = load_simulator_config(ROOT / "examples" / "simulator.yaml")
     assert {"good-model", "new-model", "judge-model"} <= set(cfg.models)
-    assert cfg.models["new-model"].segments["tools"].failures.invalid_tool_call == pytest.approx(0.15)
+    assert cfg.models["new-model"].segments["tools"].failures == {"invalid_tool_call": pytest.approx(0.15)}
 
 
 @pytest.mark.parametrize("data, expected", [
-    ({"models": {"a": {"failures": {"bogus": 0.1}}}}, "models.a.failures.bogus: unknown key"),
+    ({"models": {"a": {"failures": {"bogus": 0.1}}}}, "models.a.failures.bogus: unknown key; expected 'auth_error'"),
+    ({"models": {"a": {"segments": {"t": {"failures": {"bogus": None}}}}}}, "models.a.segments.t.failures.bogus: unknown key"),
+    ({"models": {"a": {"failures": {"timeout": None}}}}, "models.a.failures.timeout: Input should be a valid number"),
     ({"models": {"a": {"failures": {"timeout": 1.5}}}}, "models.a.failures.timeout: Input should be less than or equal to 1"),
     ({"models": {"a": {"latency_s": {"median": 1, "p95": 0.5}}}}, "models.a.latency_s: p95 (0.5) must be >= median (1.0)"),
     ({"models": {"a": {"phases": [{"failures": {"timeout": 0.1}}]}}}, "models.a.phases.0.after_s: required field is missing"),
@@ -211,6 +213,21 @@ def test_config_errors_name_the_field(tmp_path, data, expected):
     with pytest.raises(ConfigError) as err:
         load_simulator_config(path)
     assert any(line.startswith(expected) for line in err.value.problems), err.value.problems
+
+
+def test_failure_overrides_resolve_in_order_and_null_keeps_the_base():
+    cfg = parse_simulator_config({"models": {"a": {
+        "failures": {"timeout": 0.2, "refusal": 0.1},
+        "segments": {"tools": {"failures": {"timeout": None, "invalid_tool_call": 0.5}}},
+        "phases": [{"after_s": 10, "failures": {"refusal": 0.0}}]}}})
+    model = cfg.models["a"]
+
+    def kinds(segment, phases):
+        return {k: p for k, p in zip(FAILURE_KINDS, resolve(model, segment, phases).failures, strict=True) if p}
+
+    assert kinds(None, 0) == {"timeout": 0.2, "refusal": 0.1}
+    assert kinds("tools", 0) == {"timeout": 0.2, "refusal": 0.1, "invalid_tool_call": 0.5}
+    assert kinds("tools", 1) == {"timeout": 0.2, "invalid_tool_call": 0.5}
 
 
 def test_cli_rejects_bad_config_without_traceback(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,7 +20,7 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 
 # Order in which failures are drawn and checked: the first one that fires (and applies
 # to the request) wins. Changing this order changes every seeded run, so only append.
-FAILURE_KINDS: tuple[str, ...] = (
+FailureKind = Literal[
     "auth_error",
     "quota_exceeded",
     "rate_limited",
@@ -33,7 +33,8 @@ FAILURE_KINDS: tuple[str, ...] = (
     "truncated",
     "invalid_json",
     "invalid_tool_call",
-)
+]
+FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
 
 # z-score of the 95th percentile of a standard normal
 Z95 = 1.6448536269514722
@@ -63,37 +64,6 @@ class Dist(Strict):
         return math.log(self.median), math.log(self.p95 / self.median) / Z95
 
 
-class Failures(Strict):
-    """Probability per request of each failure kind (DESIGN §6 causes)."""
-
-    rate_limited: Probability = 0.0
-    provider_5xx: Probability = 0.0
-    timeout: Probability = 0.0
-    truncated: Probability = 0.0
-    content_filtered: Probability = 0.0
-    refusal: Probability = 0.0
-    empty_output: Probability = 0.0
-    invalid_json: Probability = 0.0
-    invalid_tool_call: Probability = 0.0
-    quota_exceeded: Probability = 0.0
-    auth_error: Probability = 0.0
-    bad_response: Probability = 0.0
-
-
-class FailuresPatch(Failures):
-    """Failures in an override: only the keys given replace the base values (a null one is not given)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_not_given(cls, data: object) -> object:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
-        return data
-
-    def given(self) -> dict[str, float]:
-        return self.model_dump(include=self.model_fields_set)
-
-
 class Overrides(Strict):
     """Settings a segment or phase may override; distributions are replaced whole."""
 
@@ -103,7 +73,7 @@ class Overrides(Strict):
     context_tokens: int | None = Field(None, gt=0)
     divergence: Probability | None = None
     wrong_content: Probability | None = None
-    failures: FailuresPatch | None = None
+    failures: dict[FailureKind, Probability | None] | None = None  # a null one is not given
 
     @field_validator("output_tokens")
     @classmethod
@@ -127,7 +97,7 @@ class SimModel(Strict):
     context_tokens: int = Field(128000, gt=0)
     divergence: Probability = 0.0
     wrong_content: Probability = 0.0              # fluent answers with a wrong fact (for the pairwise judge)
-    failures: Failures = Failures()
+    failures: dict[FailureKind, Probability] = {}  # probability per request (DESIGN §6 causes); 0 unless given
     segments: dict[str, Overrides] = {}
     phases: list[Phase] = []
     embedding_dims: int = Field(256, gt=0, le=8192)
@@ -180,7 +150,7 @@ def _apply(state: dict, o: Overrides) -> None:
         if value is not None:
             state[name] = value
     if o.failures is not None:
-        state["failures"].update(o.failures.given())
+        state["failures"].update((kind, p) for kind, p in o.failures.items() if p is not None)
 
 
 def resolve(model: SimModel, segment: str | None, phases_passed: int) -> Effective:
@@ -192,7 +162,7 @@ def resolve(model: SimModel, segment: str | None, phases_passed: int) -> Effecti
         "context_tokens": model.context_tokens,
         "divergence": model.divergence,
         "wrong_content": model.wrong_content,
-        "failures": model.failures.model_dump(),
+        "failures": dict(model.failures),
     }
     if segment is not None and segment in model.segments:
         _apply(state, model.segments[segment])
@@ -207,7 +177,7 @@ def resolve(model: SimModel, segment: str | None, phases_passed: int) -> Effecti
         context_tokens=state["context_tokens"],
         divergence=state["divergence"],
         wrong_content=state["wrong_content"],
-        failures=tuple(state["failures"][k] for k in FAILURE_KINDS),
+        failures=tuple(state["failures"].get(kind, 0.0) for kind in FAILURE_KINDS),
     )
 
 
