@@ -258,8 +258,10 @@ class Proxy:
                                                 tracestate=headers.get("tracestate"), stream=call.stream)
             assert call.span is not None  # enabled tracing starts a span
             up_headers.update(call.span.upstream_headers())
-        elif call.traceparent:
+        elif call.traceparent:  # W3C trace context passed on as it came, tracestate with its traceparent
             up_headers["traceparent"] = call.traceparent
+            if "tracestate" in headers:
+                up_headers["tracestate"] = headers["tracestate"]
         return up_headers
 
     def respond(self, gone: Callable[[], bool], call: Call, response: Response) -> Response:
