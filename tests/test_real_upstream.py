@@ -224,6 +224,8 @@ def compare(bootstrap: str, prefix: str, seen: list[Seen]) -> list[tuple]:
         actual = (rec["outcome"], rec["cause"], rec["blame"], rec["status"])
         if actual != s.expected:
             mismatches.append((s.kind, s.request_id, s.expected, actual))
+        elif actual[1] == "client_cancelled" and (rec["input_tokens"] < 1 or rec["output_tokens"] < 1):  # it saw output
+            mismatches.append((s.kind, s.request_id, "tokens of the answer so far", (rec["input_tokens"], rec["output_tokens"])))
     return mismatches
 
 

@@ -460,27 +460,6 @@ def test_client_tracestate_is_carried_on(sim, receiver, tmp_path):
         assert live.trace_state == CLIENT_TRACESTATE, route
 
 
-class _HeaderRecorder(BaseHTTPRequestHandler):
-    """An OpenAI-compatible upstream that answers every chat request alike and keeps its headers."""
-
-    seen: list[dict[str, str]] = []
-    ANSWER = json.dumps({"id": "c1", "object": "chat.completion", "created": 0, "model": "good-model",
-                         "choices": [{"index": 0, "finish_reason": "stop",
-                                      "message": {"role": "assistant", "content": "hi"}}],
-                         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()
-
-    def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
-        self.rfile.read(int(self.headers["content-length"]))
-        type(self).seen.append({k.lower(): v for k, v in self.headers.items()})
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(self.ANSWER)))
-        self.end_headers()
-        self.wfile.write(self.ANSWER)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
 
 def test_untraced_proxy_passes_the_trace_context_on_unchanged(tmp_path):
     """With tracing off the proxy is no trace participant: the client's traceparent and its tracestate
@@ -488,21 +467,22 @@ def test_untraced_proxy_passes_the_trace_context_on_unchanged(tmp_path):
     without a traceparent goes nowhere."""
     import openai
 
-    from tests.fixtures.servers import proxy_config, start_proxy
+    from tests.fixtures.servers import canned_upstream, proxy_config, start_proxy
 
-    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _HeaderRecorder)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    proxy = start_proxy(tmp_path, proxy_config(f"http://127.0.0.1:{upstream.server_address[1]}"))
-    try:
-        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
-        messages = [{"role": "user", "content": "hello"}]
-        client.chat.completions.create(model="support-bot", messages=messages, extra_headers={
-            "traceparent": CLIENT_TRACEPARENT, "tracestate": CLIENT_TRACESTATE})
-        client.chat.completions.create(model="support-bot", messages=messages,
-                                       extra_headers={"tracestate": CLIENT_TRACESTATE})
-    finally:
-        proxy.stop()
-        upstream.shutdown()
-    traced, untraced = _HeaderRecorder.seen
+    answer = json.dumps({"id": "c1", "object": "chat.completion", "created": 0, "model": "good-model",
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": "hi"}}]}).encode()
+    with canned_upstream(answer) as (url, seen):
+        proxy = start_proxy(tmp_path, proxy_config(url))
+        try:
+            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+            messages = [{"role": "user", "content": "hello"}]
+            client.chat.completions.create(model="support-bot", messages=messages, extra_headers={
+                "traceparent": CLIENT_TRACEPARENT, "tracestate": CLIENT_TRACESTATE})
+            client.chat.completions.create(model="support-bot", messages=messages,
+                                           extra_headers={"tracestate": CLIENT_TRACESTATE})
+        finally:
+            proxy.stop()
+    traced, untraced = seen
     assert (traced["traceparent"], traced["tracestate"]) == (CLIENT_TRACEPARENT, CLIENT_TRACESTATE)
     assert "traceparent" not in untraced and "tracestate" not in untraced

@@ -199,7 +199,8 @@ class Proxy:
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:
-            return StreamRelay(call, sent, partial(self._classify_stream, call, judge), self._done,
+            return StreamRelay(call, sent, partial(self._classify_stream, call, judge),
+                               partial(self._tally_stream, call), self._done,
                                has_output=chat_has_output).response(self._headers(call, sent) | SSE_HEADERS)
         try:
             answer = self._plain(call, sent, judge)
@@ -329,6 +330,14 @@ class Proxy:
             return failed("bad_response", "stream ended without a finish_reason")
         return judge(response)
 
+    @staticmethod
+    def _tally_stream(call: Call, raw: bytes) -> None:
+        """A chat stream that stopped before its end: its answer as far as it went, so that its tokens
+        count (estimated from the text: a stream tells its usage only at its end)."""
+        response, _, problem, _ = reassemble(raw)
+        if problem is None and response is not None:
+            call.response = response
+
     def _checks(self, call: Call) -> Checks:
         rc = self.config.routes.get(call.route)
         return rc.checks if rc is not None else _DEFAULT_CHECKS
@@ -406,7 +415,7 @@ class Proxy:
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:
-            return StreamRelay(call, sent, partial(self._classify_stream, call, None), self._done).response(
+            return StreamRelay(call, sent, partial(self._classify_stream, call, None), None, self._done).response(
                 self._headers(call, sent) | SSE_HEADERS, media_type=sent.headers.get("content-type", "text/event-stream"))
         return self.respond(partial(client_gone, request.receive), call, self._passed_through(call, sent))
 

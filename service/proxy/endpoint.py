@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from functools import partial
 
 from starlette.requests import ClientDisconnect, Request
@@ -21,6 +22,7 @@ from starlette.responses import Response
 
 from service.proxy.chat import BadRequest, Proxy, _json_or_none, header_map
 from service.proxy.formats import ApiFormat
+from service.proxy.formats.base import chat_output_chars, estimated_usage
 from service.proxy.outcome import COMPLETED, Verdict, failed
 from service.proxy.owners import ResponseOwners
 from service.proxy.recorder import Call
@@ -98,7 +100,8 @@ class FormatEndpoint:
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:
-            relay = StreamRelay(call, sent, partial(self._classify_stream, call, view), proxy._done,
+            relay = StreamRelay(call, sent, partial(self._classify_stream, call, view),
+                                partial(self._tally_stream, call, view), proxy._done,
                                 is_over=self._is_over, has_output=fmt.has_output, error_event=fmt.stream_error)
             return relay.response(proxy._headers(call, sent) | SSE_HEADERS)
         try:
@@ -173,3 +176,17 @@ class FormatEndpoint:
         if clipped:  # longer than we keep: judged by transport only
             return COMPLETED
         return failed(result.cause, result.problem)
+
+    def _tally_stream(self, call: Call, view: dict, raw: bytes) -> None:
+        """A stream that stopped before its end: its answer as far as it went, so that its tokens count.
+        Input as the upstream counted it when it said so (Messages, at the start), output at least what
+        the text seen holds (a count told at the start is not the final one)."""
+        result = self.fmt.reassemble(raw)
+        if result.response is None:
+            return
+        call.response = result.response
+        chat = self.fmt.chat_view(result.response)
+        told = self.fmt.usage(view, result.response)
+        call.usage = replace(told, output=max(told.output, estimated_usage(view, chat_output_chars(chat)).output))
+        if call.span is not None:
+            call.chat = chat

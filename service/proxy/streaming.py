@@ -67,20 +67,23 @@ class StreamRelay:
 
     The answer is over once its last event is forwarded (`is_over`, chat's `data: [DONE]`), or when
     the upstream ends the body: never later, since servers may keep the connection open, send pings,
-    or hold it for the next call. `judge(raw, clipped)` gives the verdict on the captured stream;
-    `finish(call)` ends the call (metrics, outcome), exactly once, from `close`, which the response
-    runs whenever the stream stops, also when it never started.
+    or hold it for the next call. `judge(raw, clipped)` gives the verdict on the captured stream
+    (`clipped`: only its first STREAM_CAPTURE_LIMIT bytes, whole events); `tally(raw)` notes the
+    answer of a stream that stopped before its end (the client left), from the whole events captured,
+    so that its tokens count; `finish(call)` ends the call (metrics, outcome), exactly once, from
+    `close`, which the response runs whenever the stream stops, also when it never started.
     """
 
     def __init__(self, call: Call, reply: UpstreamReply, judge: Callable[[bytes, bool], Verdict],
-                 finish: Callable[[Call], None], is_over: Callable[[bytes], bool] = chat_stream_over,
-                 has_output: Callable[[bytes], bool] | None = None,
+                 tally: Callable[[bytes], None] | None, finish: Callable[[Call], None],
+                 is_over: Callable[[bytes], bool] = chat_stream_over, has_output: Callable[[bytes], bool] | None = None,
                  error_event: Callable[[int, str, str], bytes] = chat_error_event):
         """`has_output(events)`: whether events carry output, for time to first token (default: any
         event does); `error_event(status, message, code)`: an error in the stream's own format."""
         self.call = call
         self.reply = reply
         self._judge = judge
+        self._tally = tally
         self._finish = finish
         self._is_over = is_over
         self._has_output = has_output
@@ -117,7 +120,8 @@ class StreamRelay:
                         break
             if partial:
                 yield partial  # the upstream ended without a final blank line
-            call.verdict = self._judge(b"".join(self._captured), self._size >= STREAM_CAPTURE_LIMIT)
+            clipped = self._size >= STREAM_CAPTURE_LIMIT
+            call.verdict = self._judge(self._whole_events() if clipped else b"".join(self._captured), clipped)
             if call.verdict.cause == "bad_response":  # say so, never end silently (even after [DONE])
                 yield self._error_event(502, f"upstream stream is malformed: {call.verdict.detail}", "bad_response")
         except TransportFailure as e:
@@ -139,11 +143,22 @@ class StreamRelay:
         if call.verdict is None:
             call.verdict = failed("client_cancelled") if client_left else \
                 failed("proxy_error", "the stream was stopped before the answer ended")
+            if self._tally is not None and self._captured:
+                try:
+                    self._tally(self._whole_events())
+                except Exception:  # the call still ends, without the tokens of its partial answer
+                    log.exception("could not read the partial answer of request %s", call.request_id)
         if not self._over:
             self.reply.release()
         self._finish(call)
         if self._over:
             await self.reply.settle()
+
+
+    def _whole_events(self) -> bytes:
+        """The captured stream up to its last whole event: a capture may stop inside an event."""
+        raw = b"".join(self._captured)
+        return raw[:events_end(raw)]
 
 
 class EventStreamResponse(Response):

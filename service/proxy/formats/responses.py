@@ -25,6 +25,7 @@ from service.upstream.errors import error_cause, in_answer_cause
 from service.upstream.model_settings import CAP_FIELDS
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta")
 FIRST_OUTPUT = (b'"response.output_text.delta"', b'"response.refusal.delta"', b'"response.function_call_arguments.delta"')
 # kept from the live request in a shadow call: never streamed, never stored, no upstream state
 SHADOW_DROPPED = ("stream", "stream_options", "previous_response_id", "conversation", "background")
@@ -137,9 +138,11 @@ class ResponsesFormat:
             return base.Usage(0, 0)
         return base.estimated_usage(view, base.chat_output_chars(self.chat_view(response)))
 
-    def reassemble(self, raw: bytes) -> base.Reassembled:
+    def reassemble(self, raw: bytes) -> base.Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per event type
         final: dict | None = None
         done_items: dict[int, dict] = {}
+        begun: dict[int, dict] = {}         # items added, not done yet
+        deltas: dict[int, list[str]] = {}   # their text or arguments so far
         for name, data in sse_events(raw):
             if data == b"[DONE]":
                 continue
@@ -151,14 +154,18 @@ class ResponsesFormat:
                 err = found if isinstance(found := event.get("error"), dict) else event
                 return base.Reassembled(None, False, str(err.get("message") or "error event")[:200],
                                         in_answer_cause(err.get("code")))
+            index = event.get("output_index")
             if kind == "response.output_item.done" and isinstance(event.get("item"), dict):
-                index = event.get("output_index")
                 done_items[index if isinstance(index, int) else len(done_items)] = event["item"]
+            elif kind == "response.output_item.added" and isinstance(event.get("item"), dict):
+                begun[index if isinstance(index, int) else len(begun)] = event["item"]
+            elif kind in DELTAS and isinstance(event.get("delta"), str):
+                deltas.setdefault(index if isinstance(index, int) else 0, []).append(event["delta"])
             elif kind in TERMINAL and isinstance(event.get("response"), dict):
                 final = event["response"]
         if final is None:
-            return base.Reassembled(None, False, "stream ended before response.completed, response.incomplete "
-                                            "or response.failed")
+            return base.Reassembled(_unfinished(done_items, begun, deltas), False, "stream ended before "
+                                    "response.completed, response.incomplete or response.failed")
         if not final.get("output") and done_items:
             final = {**final, "output": [done_items[i] for i in sorted(done_items)]}
         return base.Reassembled(final, True)
@@ -225,3 +232,21 @@ class ResponsesFormat:
     def response_id(self, response: dict | None) -> str | None:
         rid = response.get("id") if isinstance(response, dict) else None
         return rid if isinstance(rid, str) and rid else None
+
+
+def _unfinished(done: dict[int, dict], begun: dict[int, dict], deltas: dict[int, list[str]]) -> dict | None:
+    """The output of a stream that stopped before its end, as far as it went (None: none yet): the
+    items done, and those begun with their text or arguments so far."""
+    output = []
+    for index in sorted(done.keys() | begun.keys() | deltas.keys()):
+        if index in done:
+            output.append(done[index])
+            continue
+        item = dict(begun.get(index) or {"type": "message", "role": "assistant"})
+        text = "".join(deltas.get(index, ()))
+        if item.get("type") == "function_call":
+            item["arguments"] = text
+        else:
+            item["content"] = [{"type": "output_text", "text": text}]
+        output.append(item)
+    return {"object": "response", "status": "incomplete", "output": output} if output else None

@@ -1,0 +1,108 @@
+"""What a stream that did not end as planned records: a client that left mid-answer still costs the
+tokens it was sent (on each API), and a stream longer than the proxy captures is judged on whole
+events, not on an event cut in half."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+
+import aiohttp
+import pytest
+
+from service.proxy.streaming import STREAM_CAPTURE_LIMIT
+from tests.fixtures.servers import SIM_MODEL, canned_upstream, metric_value, proxy_config, scrape, sim_config
+
+SLOW = {**copy.deepcopy(SIM_MODEL), "latency_s": {"median": 4.0, "p95": 4.5}, "ttft_s": {"median": 0.05, "p95": 0.1},
+        "output_tokens": {"median": 300, "p95": 400}}
+
+CASES = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "tell me a long story"}]},
+             b'"content":"'),
+    "responses": ("/v1/responses", {"input": "tell me a long story"}, b'"delta":"'),
+    "messages": ("/v1/messages", {"max_tokens": 1000, "messages": [{"role": "user", "content": "tell me a long story"}]},
+                 b'"text_delta"'),
+}
+
+
+async def leave_after_text(url: str, body: dict, marker: bytes) -> bytes:
+    """Stream, read until the answer's text has begun (`marker` in the events), then hang up."""
+    got = b""
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(url, json=body)
+        assert response.status == 200, await response.text()
+        while marker not in got:
+            chunk = await asyncio.wait_for(response.content.readany(), 10)
+            assert chunk, f"the stream ended before any text: {got[-500:]!r}"
+            got += chunk
+        response.close()
+    return got
+
+
+@pytest.mark.parametrize("api", list(CASES))
+def test_a_client_that_leaves_mid_answer_still_costs_its_tokens(servers, api):
+    sim = servers.simulator(sim_config({"good-model": SLOW, "new-model": SLOW}, time_scale=1.0))
+    cfg = proxy_config(sim.url)
+    model = "stable-m"
+    if api == "messages":  # the simulator speaks Anthropic's Messages too, as a provider of that API
+        cfg["providers"]["claude"] = {"base_url": sim.url + "/v1", "api": "anthropic", "timeout_s": 10}
+        cfg["models"]["claude-m"] = {"provider": "claude", "name": "good-model",
+                                     "price": {"input_per_mtok": 3.0, "output_per_mtok": 15.0}}
+        cfg["routes"]["claude-r"] = {"stable": "claude-m"}
+        model = "claude-m"
+    proxy = servers.proxy(cfg)
+    path, body, marker = CASES[api]
+    route = "claude-r" if api == "messages" else "support-bot"
+    started = time.monotonic()
+    asyncio.run(leave_after_text(proxy.url + path, {"model": route, "stream": True, **body}, marker))
+    assert time.monotonic() - started < 3, "the answer was meant to be still going when the client left"
+
+    deadline = time.monotonic() + 10
+    while True:
+        text = scrape(proxy.url)
+        cancelled = metric_value(text, "modelcanary_failures_total", model=model, cause="client_cancelled")
+        if cancelled == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert cancelled == 1
+    assert metric_value(text, "modelcanary_tokens_total", model=model, type="input") >= 1
+    assert metric_value(text, "modelcanary_tokens_total", model=model, type="output") >= 1
+    assert metric_value(text, "modelcanary_cost_usd_total", model=model) > 0
+    assert "Traceback" not in proxy.output()
+
+
+def chat_stream(min_bytes: int) -> bytes:
+    """A whole chat stream longer than `min_bytes`, of ~1 kB events (a size that TCP reads cut inside)."""
+    piece = "word " * 190
+    event = b"data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                                    "choices": [{"index": 0, "delta": {"content": piece}}]}).encode() + b"\n\n"
+    events = [event] * (min_bytes // len(event) + 1)
+    last = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    return b"".join(events) + b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def test_a_stream_longer_than_its_capture_is_judged_on_whole_events(servers):
+    stream = chat_stream(STREAM_CAPTURE_LIMIT + 2 * 1024 * 1024)
+    with canned_upstream(stream, "text/event-stream") as (url, _):
+        proxy = servers.proxy(proxy_config(url))
+
+        async def read_all() -> bytes:
+            async with aiohttp.ClientSession() as session, session.post(
+                    proxy.url + "/v1/chat/completions",
+                    json={"model": "support-bot", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+                assert r.status == 200
+                return await r.read()
+
+        got = asyncio.run(read_all())
+    assert got == stream  # every event, and no error event after [DONE]
+    deadline = time.monotonic() + 10
+    while True:
+        text = scrape(proxy.url)
+        done = metric_value(text, "modelcanary_requests_total", model="stable-m", outcome="completed")
+        if done == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert done == 1 and metric_value(text, "modelcanary_failures_total", model="stable-m") == 0
