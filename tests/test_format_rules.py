@@ -47,6 +47,23 @@ def test_responses_outcomes_follow_status_and_incomplete_details():
     assert _cause(RESPONSES, plain, {"id": "resp_2", "status": "completed"}) == "bad_response"
 
 
+def test_a_background_response_is_completed_and_never_shadowed():
+    """`background: true` answers at once with a queued response (no output yet): what the client asked
+    for, not a model's empty answer; the result is fetched later from the upstream holding it."""
+    request = {"input": "hi", "background": True}
+    for status in ("queued", "in_progress"):
+        assert RESPONSES.classify(RESPONSES.view(request), _response(status, []), CHECKS).ok
+    assert RESPONSES.stateful(request) == "background" and RESPONSES.stateful({"input": "hi"}) is None
+
+
+@pytest.mark.parametrize("fmt, body", [
+    (RESPONSES, {"input": "hi", "tools": 5}),
+    (MESSAGES, {"max_tokens": 5, "messages": [], "tools": True}),
+])
+def test_tools_that_are_not_an_array_are_refused_naming_the_field(fmt, body):
+    assert fmt.check(body) == ("tools", "field 'tools' must be an array of tools")
+
+
 def test_responses_function_calls_and_text_format_are_verified():
     tools = {"input": "weather?", "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}]}
 
@@ -97,6 +114,11 @@ def test_responses_stream_reassembly_ends_at_the_terminal_event():
     assert RESPONSES.usage({}, whole.response) == type(RESPONSES.usage({}, None))(4, 4, cache_read=6)
     cut = RESPONSES.reassemble(started)
     assert not cut.ended and cut.cause == "bad_response" and "response.completed" in cut.problem
+    # what a stream cut short had answered so far, for its tokens: the text of the item begun
+    partial = RESPONSES.reassemble(started + event("response.output_item.added", output_index=0,
+                                                   item={"type": "message", "role": "assistant"})
+                                   + event("response.output_text.delta", output_index=0, delta=" world"))
+    assert RESPONSES.chat_view(partial.response)["choices"][0]["message"]["content"] == "hello world"
     failed = RESPONSES.reassemble(started + event("error", code="rate_limit_exceeded", message="slow down"))
     assert failed.cause == "rate_limited" and failed.problem == "slow down"
     assert RESPONSES.has_output(event("response.output_text.delta", delta="x"))

@@ -177,3 +177,20 @@ def test_the_judge_compares_the_max_tokens_rate_on_its_own():
     assert verdicts.get(("model_failure_rate", "overall")) != WORSE
     assert j.decision.decision == "rollback"
     assert any("max_tokens rate" in r for r in j.decision.reasons), j.decision.reasons
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}},   # a reference to nothing
+    {"$ref": "https://schemas.example.invalid/order.json"},                   # to another document
+])
+def test_a_schema_the_verifier_cannot_resolve_is_not_held_against_the_model(schema):
+    tool_call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    answer = {"choices": [{"index": 0, "finish_reason": "tool_calls",
+                           "message": {"role": "assistant", "content": None, "tool_calls": [tool_call]}}]}
+    request = {"messages": [{"role": "user", "content": "hi"}],
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+    assert classify_chat(request, answer, Checks()).ok
+    as_json = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "{}"}}]}
+    request = {"messages": [{"role": "user", "content": "hi"}],
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    assert classify_chat(request, as_json, Checks()).ok

@@ -40,3 +40,18 @@ def test_a_cap_of_zero_shadows_nothing_and_a_reload_starts_full():
     s.reload(config(60))
     assert s.admit("r", now=0.0) and not s.admit("r", now=0.0)  # one second's worth of 60/min: one
     assert s.admit("r", now=1.0)
+
+
+def test_several_candidates_share_a_small_cap_without_rounding_it_away():
+    """max_per_minute 1 over two candidates: one sampled request every two minutes (each shadows
+    both), not none."""
+    cfg = parse_config({
+        "providers": {"p": {"base_url": "http://127.0.0.1:9/v1"}},
+        "models": {"s": {"provider": "p", "name": "a"}, "c1": {"provider": "p", "name": "b"},
+                   "c2": {"provider": "p", "name": "c"}},
+        "routes": {"r": {"stable": "s", "candidates": ["c1", "c2"], "rollout": {"scope": "segment"},
+                         "shadow": {"sample_rate": 1.0, "max_per_minute": 1}}},
+    })
+    s = ShadowSampler(cfg)
+    admitted = [s.admit("r", now=float(t)) for t in range(0, 600)]  # one sampled request a second, 10 minutes
+    assert sum(admitted) == 5

@@ -106,3 +106,69 @@ def test_a_stream_longer_than_its_capture_is_judged_on_whole_events(servers):
             break
         time.sleep(0.05)
     assert done == 1 and metric_value(text, "modelcanary_failures_total", model="stable-m") == 0
+
+
+def wait_recorded(url: str, model: str) -> str:
+    """The metrics once one request of `model` is recorded."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = scrape(url)
+        if metric_value(text, "modelcanary_requests_total", model=model) >= 1 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
+async def stream_through(url: str, body: dict) -> bytes:
+    async with aiohttp.ClientSession() as session, session.post(url, json={"stream": True, **body}) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+def test_a_long_stream_that_never_ends_is_the_providers_failure(servers):
+    """Past the capture the proxy can't see a finish_reason, so a clipped stream is whole only once its
+    end event (`data: [DONE]`) was forwarded; one the upstream closes before it is `bad_response`."""
+    whole = chat_stream(STREAM_CAPTURE_LIMIT + 2 * 1024 * 1024)
+    cut = whole[:whole.rindex(b"data: {")]  # no last chunk, no finish_reason, no [DONE]
+    with canned_upstream(cut, "text/event-stream") as (url, _):
+        proxy = servers.proxy(proxy_config(url))
+        got = asyncio.run(stream_through(proxy.url + "/v1/chat/completions", {
+            "model": "support-bot", "messages": [{"role": "user", "content": "hi"}]}))
+    assert got.startswith(cut) and b'"code": "bad_response"' in got[len(cut):].replace(b'":"', b'": "')
+    text = wait_recorded(proxy.url, "stable-m")
+    assert metric_value(text, "modelcanary_failures_total", model="stable-m", cause="bad_response") == 1
+
+
+def _event(kind: str, **fields) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+
+def test_an_error_early_in_a_long_stream_is_not_lost_past_the_capture(servers):
+    started = _event("response.created", response={"id": "r1", "status": "in_progress", "output": []})
+    stream = started + _event("error", code="server_error", message="boom") + \
+        b": keep-alive\n\n" * (STREAM_CAPTURE_LIMIT // 14 + 1000)
+    with canned_upstream(stream, "text/event-stream") as (url, _):
+        proxy = servers.proxy(proxy_config(url))
+        asyncio.run(stream_through(proxy.url + "/v1/responses", {"model": "support-bot", "input": "hi"}))
+    text = wait_recorded(proxy.url, "stable-m")
+    assert metric_value(text, "modelcanary_failures_total", model="stable-m", cause="provider_5xx") == 1
+
+
+def test_a_stream_the_upstream_cuts_short_still_costs_its_tokens(servers):
+    """A Messages stream told its input at the start and sent text, then ended before message_stop:
+    the provider failed it, and both the input it counted and the output sent are recorded."""
+    stream = _event("message_start", message={"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+                                              "model": "c", "usage": {"input_tokens": 1000, "output_tokens": 1}}) + \
+        _event("content_block_start", index=0, content_block={"type": "text", "text": ""}) + \
+        _event("content_block_delta", index=0, delta={"type": "text_delta", "text": "word " * 400})
+    with canned_upstream(stream, "text/event-stream") as (url, _):
+        cfg = proxy_config(url)
+        cfg["providers"]["claude"] = {"base_url": url + "/v1", "api": "anthropic", "timeout_s": 10}
+        cfg["models"]["claude-m"] = {"provider": "claude", "name": "c"}
+        cfg["routes"]["claude-r"] = {"stable": "claude-m"}
+        proxy = servers.proxy(cfg)
+        asyncio.run(stream_through(proxy.url + "/v1/messages", {
+            "model": "claude-r", "max_tokens": 1000, "messages": [{"role": "user", "content": "hi"}]}))
+    text = wait_recorded(proxy.url, "claude-m")
+    assert metric_value(text, "modelcanary_failures_total", model="claude-m", cause="bad_response") == 1
+    assert metric_value(text, "modelcanary_tokens_total", model="claude-m", type="input") == 1000
+    assert metric_value(text, "modelcanary_tokens_total", model="claude-m", type="output") == 500  # 2,000 chars

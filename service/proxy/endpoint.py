@@ -6,7 +6,8 @@ client-retry detection, the retry budget, in-flight accounting, role headers and
 Stateful follow-ups (Responses API): a request naming `previous_response_id` goes to the model that
 stored that response (ResponseOwners), or gets a 409 naming the field when no replica remembers it;
 one naming a `conversation` goes to the route's stable model, where `POST /v1/conversations`
-(passed through) created it. Such requests are never shadowed (`reason=stateful`).
+(passed through) created it; a `background` one is routed as usual (its answer is fetched later by
+id, like a stored response). Such requests are never shadowed (`reason=stateful`).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class FormatEndpoint:
         if route is None:
             return name, "stable"
         rc = self.proxy.config.routes[route]
-        if stateful is None or rc.candidate is None:
+        if stateful in (None, "background") or rc.candidate is None:
             return pick(route, self.proxy.book.routing[route], session_key, segment)
         if stateful == "conversation":
             return rc.stable, "stable"
@@ -173,7 +174,7 @@ class FormatEndpoint:
         result = self.fmt.reassemble(raw)
         if result.response is not None and result.ended:
             return self._answered(call, result.response, view)
-        if clipped:  # longer than we keep: judged by transport only
+        if clipped and result.response is not None:  # longer than we keep, no error in what we kept
             return COMPLETED
         return failed(result.cause, result.problem)
 

@@ -39,7 +39,7 @@ class ShadowSampler:
 
     def reload(self, config: Config) -> None:
         self._config = config
-        self._buckets = {route: _Bucket(rc.shadow.max_per_minute // max(len(rc.candidates), 1))
+        self._buckets = {route: _Bucket(rc.shadow.max_per_minute / max(len(rc.candidates), 1))
                          for route, rc in config.routes.items()}
 
     def wanted(self, route: str, request_id: str) -> bool:

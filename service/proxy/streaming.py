@@ -68,10 +68,11 @@ class StreamRelay:
     The answer is over once its last event is forwarded (`is_over`, chat's `data: [DONE]`), or when
     the upstream ends the body: never later, since servers may keep the connection open, send pings,
     or hold it for the next call. `judge(raw, clipped)` gives the verdict on the captured stream
-    (`clipped`: only its first STREAM_CAPTURE_LIMIT bytes, whole events); `tally(raw)` notes the
-    answer of a stream that stopped before its end (the client left), from the whole events captured,
-    so that its tokens count; `finish(call)` ends the call (metrics, outcome), exactly once, from
-    `close`, which the response runs whenever the stream stops, also when it never started.
+    (`clipped`: only its first STREAM_CAPTURE_LIMIT bytes, whole events; such a stream is whole only
+    once its last event was forwarded); `tally(raw)` notes the answer of a stream that left none for
+    the call (it stopped before its end: the client left, the upstream cut it), from the whole events
+    captured, so that its tokens count; `finish(call)` ends the call (metrics, outcome), exactly
+    once, from `close`, which the response runs whenever the stream stops, also when it never started.
     """
 
     def __init__(self, call: Call, reply: UpstreamReply, judge: Callable[[bytes, bool], Verdict],
@@ -122,6 +123,8 @@ class StreamRelay:
                 yield partial  # the upstream ended without a final blank line
             clipped = self._size >= STREAM_CAPTURE_LIMIT
             call.verdict = self._judge(self._whole_events() if clipped else b"".join(self._captured), clipped)
+            if clipped and call.verdict.ok and not self._over:  # its end is past what was captured
+                call.verdict = failed("bad_response", "the stream ended before its last event")
             if call.verdict.cause == "bad_response":  # say so, never end silently (even after [DONE])
                 yield self._error_event(502, f"upstream stream is malformed: {call.verdict.detail}", "bad_response")
         except TransportFailure as e:
@@ -143,11 +146,11 @@ class StreamRelay:
         if call.verdict is None:
             call.verdict = failed("client_cancelled") if client_left else \
                 failed("proxy_error", "the stream was stopped before the answer ended")
-            if self._tally is not None and self._captured:
-                try:
-                    self._tally(self._whole_events())
-                except Exception:  # the call still ends, without the tokens of its partial answer
-                    log.exception("could not read the partial answer of request %s", call.request_id)
+        if call.response is None and self._tally is not None and self._captured:
+            try:
+                self._tally(self._whole_events())
+            except Exception:  # the call still ends, without the tokens of its partial answer
+                log.exception("could not read the partial answer of request %s", call.request_id)
         if not self._over:
             self.reply.release()
         self._finish(call)

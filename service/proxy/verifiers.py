@@ -7,6 +7,7 @@ from functools import lru_cache
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
+from referencing.exceptions import Unresolvable
 
 
 @lru_cache(maxsize=512)
@@ -24,7 +25,10 @@ def fits_schema(value: object, schema: dict) -> tuple[bool, str | None]:
     validator = _validator(json.dumps(schema, sort_keys=True))
     if validator is None:
         return True, None
-    error = next(iter(validator.iter_errors(value)), None)
+    try:
+        error = next(iter(validator.iter_errors(value)), None)
+    except Unresolvable:  # a `$ref` to nothing, or to another document: the schema is not usable
+        return True, None
     if error is None:
         return True, None
     where = "/".join(str(p) for p in error.absolute_path) or "(root)"

@@ -111,6 +111,13 @@ def named_event(name: str, payload: dict) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def tools_problem(body: dict) -> tuple[str, str] | None:
+    """`check`'s answer on a request's `tools`: an array when given."""
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        return "tools", "field 'tools' must be an array of tools"
+    return None
+
+
 def function_tool(name: object, parameters: object) -> dict:
     """A tool of the chat view."""
     return {"type": "function", "function": {"name": name, "parameters": parameters if isinstance(parameters, dict)

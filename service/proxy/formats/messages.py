@@ -70,7 +70,7 @@ class MessagesFormat:
         cap = body.get("max_tokens")
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
             return "max_tokens", "field 'max_tokens' is required and must be an integer >= 1"
-        return None
+        return base.tools_problem(body)
 
     def view(self, body: dict) -> dict:
         messages: list[dict] = []

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from service.config import Checks, ModelConfig
 from service.errors import error_body, openai_error
 from service.proxy.formats import base
-from service.proxy.outcome import MAX_TOKENS, Verdict, classify_chat, failed
+from service.proxy.outcome import COMPLETED, MAX_TOKENS, Verdict, classify_chat, failed
 from service.proxy.sse import sse_events
 from service.upstream.errors import error_cause, in_answer_cause
 from service.upstream.model_settings import CAP_FIELDS
@@ -72,7 +72,7 @@ class ResponsesFormat:
         previous = body.get("previous_response_id")
         if previous is not None and (not isinstance(previous, str) or not previous):
             return "previous_response_id", "field 'previous_response_id' must be a response id string"
-        return None
+        return base.tools_problem(body)
 
     def view(self, body: dict) -> dict:
         messages: list[dict] = []
@@ -102,12 +102,16 @@ class ResponsesFormat:
             return "previous_response_id"
         if body.get("conversation"):
             return "conversation"
+        if body.get("background") is True:  # the answer is fetched later from the upstream that holds it
+            return "background"
         return None
 
     def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
         if not isinstance(response.get("output"), list):
             return failed("bad_response", "no output in the response")
         status = response.get("status")
+        if status in ("queued", "in_progress"):  # a background answer: what the client asked for, for now
+            return COMPLETED
         if status == "failed":
             err = found if isinstance(found := response.get("error"), dict) else {}
             return failed(in_answer_cause(err.get("code")), str(err.get("message") or "response failed")[:200])
