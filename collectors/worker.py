@@ -12,9 +12,11 @@ For each TrafficEvent from the `traffic` topic (consumer group `modelcanary-shad
    `evaluations`; the shadow metrics of DESIGN §7 and, when tracing is on, a span per shadow
    call (linked to the live call's span) record the same.
 
-Delivery is at least once: offsets are committed only after every record taken from the
-subscription has been published and the bus confirmed it (`bus.flush`: acknowledged by the
-broker or written to the local spool), so a kill -9 right after a commit loses no evaluation. Records are
+Delivery is at least once below the spool limit, as for every topic (docs/reliability.md):
+offsets are committed only after every record taken from the subscription has been published and
+the bus confirmed it (`bus.flush`: acknowledged by the broker or written to the local spool), so a
+kill -9 right after a commit loses no evaluation. An evaluation that a full spool drops is counted
+(`modelcanary_events_dropped_total`), not evaluated again: a later confirmed flush commits past it. Records are
 idempotent by request_id: a request already evaluated by this worker is skipped (bounded
 memory). Tool calls in answers are recorded and scored, never executed. Credentials: the
 provider's own key (`api_key_env`) only; TrafficEvents carry none from the client.
@@ -362,8 +364,9 @@ class ShadowWorker:
 
     async def _commit(self, sub: Subscription) -> None:
         if not await self.bus.flush(FLUSH_TIMEOUT_S):
-            log.warning("evaluation records not confirmed by the bus in %.0f s; not committing "
-                        "(the traffic will be evaluated again)", FLUSH_TIMEOUT_S)
+            log.warning("evaluation records not confirmed by the bus in %.0f s; the traffic's offsets wait for "
+                        "the next confirmed flush (a restart before it evaluates that traffic again; records a "
+                        "full spool dropped are counted in modelcanary_events_dropped_total)", FLUSH_TIMEOUT_S)
             return
         await sub.commit()
 

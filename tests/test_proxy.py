@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.fixtures.servers import SIM_MODEL, metric_value, proxy_config, scrape, sim_config
+from tests.fixtures.servers import SIM_MODEL, canned_upstream, metric_value, proxy_config, scrape, sim_config
 
 TOKEN = "admin-secret-for-tests"
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -449,6 +449,19 @@ def test_feedback_and_passthrough(stack):
     assert metric_value(text, "modelcanary_requests_total", route="support-bot", segment="other",
                         outcome="completed") == 3
     assert metric_value(text, "modelcanary_time_to_first_token_seconds_count", route="support-bot") >= 1
+
+
+@pytest.mark.parametrize("target", [
+    "/v1/files/file-abc%20HTTP/1.1%0DX-Injected:%20yes/content",  # would split the request line if decoded
+    "/v1/files/caf%C3%A9%E2%82%AC/content",                        # not ASCII once decoded
+    "/v1/files/a%3Fb%2Fc/content",                                 # ? and / would change the path
+])
+def test_a_passed_through_path_goes_upstream_as_the_client_encoded_it(servers, target):
+    with canned_upstream(b'{"object": "list", "data": []}') as (url, seen):
+        proxy = servers.proxy(proxy_config(url))
+        with urllib.request.urlopen(proxy.url + target + "?limit=2") as r:
+            assert r.status == 200
+    assert [s[":path"] for s in seen] == [target + "?limit=2"]
 
 
 def test_feedback_sent_the_moment_an_answer_is_in_finds_its_call(stack):

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -411,7 +412,8 @@ class Proxy:
                     started=started, request=None, stream=body is not None and body.get("stream") is True)
         qs = ("?" + request.url.query) if request.url.query else ""
         self._start(call)
-        sent = await self.forward(call, provider, "/" + path + qs, raw, up_headers, method=request.method)
+        sent = await self.forward(call, provider, upstream_path(request, path) + qs, raw, up_headers,
+                                  method=request.method)
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:
@@ -473,6 +475,14 @@ def header_map(pairs: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
         if key not in out:
             out[key] = value.decode("latin-1")
     return out
+
+
+def upstream_path(request: Request, path: str) -> str:
+    """A passed-through request's path below /v1, as the client encoded it: `%2F`, `%3F` and `%20` stay
+    escapes (decoding them would change the path, or break the request line); anything else a request
+    line can't hold is escaped."""
+    raw: bytes = request.scope.get("raw_path") or b""
+    return quote(raw[3:] if raw.startswith(b"/v1/") else "/" + path, safe="/%:@!$&'()*+,;=-._~")
 
 
 def _json_or_none(raw: bytes) -> dict | None:
