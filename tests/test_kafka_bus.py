@@ -730,6 +730,24 @@ def test_spool_resumes_skips_torn_lines_and_adopts_orphaned_slots(tmp_path):
         spool.close()
 
 
+def test_the_spool_bound_is_the_bytes_on_disk_also_while_a_segment_is_half_replayed(tmp_path):
+    spool = Spool(tmp_path, max_bytes=40_000, segment_bytes=10_000)
+    spool.open()
+    record = b'{"pad":"' + b"x" * 80 + b'"}'
+    try:
+        n = 0
+        while spool.append("outcomes", f"k{n}", record):
+            n += 1
+        batch = spool.read(60)
+        spool.commit(batch, 60)  # part of the oldest segment replayed: its file stays until all of it is
+        while spool.append("outcomes", f"m{n}", record):
+            n += 1
+        spool.flush()
+        assert sum(p.stat().st_size for p in spool.slot.glob("seg-*.log")) <= 40_000
+    finally:
+        spool.close()
+
+
 # ---- config ------------------------------------------------------------------------------------------
 
 

@@ -63,9 +63,6 @@ class _Segment:
     def pos_path(self) -> Path:
         return self.path.with_suffix(".pos")
 
-    @property
-    def live_bytes(self) -> int:
-        return self.size - self.pos
 
 
 def encode_line(topic: str, key: str, value: bytes) -> bytes:
@@ -134,7 +131,7 @@ class Spool:
         if self.slot is None:  # never opened (or could not be): nothing can be kept
             metrics.events_dropped_total.labels(topic, "spool_error").inc()
             return False
-        if self.live_bytes + len(line) > self.max_bytes:
+        if self.disk_bytes + len(line) > self.max_bytes:
             metrics.events_dropped_total.labels(topic, "spool_full").inc()
             return False
         seg = self._active
@@ -228,8 +225,9 @@ class Spool:
         return self._counts.get(topic, 0)
 
     @property
-    def live_bytes(self) -> int:
-        return sum(seg.live_bytes for seg in self._segments)
+    def disk_bytes(self) -> int:
+        """The segment files' bytes: a replayed part goes from the disk with its whole segment."""
+        return sum(seg.size for seg in self._segments)
 
     # ---- internals ----------------------------------------------------------------------------
 
