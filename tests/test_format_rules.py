@@ -134,6 +134,9 @@ def test_responses_shadow_body_stores_nothing_and_carries_no_upstream_state():
     assert RESPONSES.stateful(live) == "previous_response_id"
     assert RESPONSES.stateful({"input": "x", "conversation": {"id": "conv_1"}}) == "conversation"
     assert RESPONSES.stateful({"input": "x"}) is None
+    chat = {"model": "support-bot", "messages": [], "stream": True, "stream_options": {"include_usage": True},
+            "store": True, "metadata": {"team": "a"}, "temperature": 0.2}
+    assert CHAT.shadow_body(chat, "new-model") == {"model": "new-model", "messages": [], "temperature": 0.2}
 
 
 # ---- Messages ------------------------------------------------------------------------------------

@@ -88,6 +88,12 @@ def test_local_embeddings_are_normalised_deterministic_and_zero_for_empty(local)
     assert local.version.startswith("0.4")
 
 
+def test_a_lone_surrogate_is_embedded_as_the_text_around_it(local):
+    """JSON may carry half an emoji ("\ud83d", an answer cut at a cap): the tokenizer refuses it."""
+    cut, whole = local.embed_sync(["The answer is 42 \ud83d", "The answer is 42 ?"])
+    assert np.allclose(cut, whole)
+
+
 def test_paraphrases_score_high_unrelated_low(local):
     para = score.similarities_with([(text(a), text(b)) for a, b in PARAPHRASES], local.embed_sync)
     unrelated = score.similarities_with([(text(a), text(b)) for a, b in UNRELATED], local.embed_sync)

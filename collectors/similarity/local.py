@@ -139,7 +139,11 @@ class LocalEmbedder:
         out = np.zeros((len(texts), table.shape[1]), dtype=np.float32)
         for i, text in enumerate(texts):
             if text:
-                ids = encode(text[: self.max_chars], add_special_tokens=False).ids
+                text = text[: self.max_chars]
+                try:
+                    ids = encode(text, add_special_tokens=False).ids
+                except TypeError:  # a lone surrogate (JSON's "\ud83d", an emoji cut in two) is not text to it
+                    ids = encode(text.encode("utf-8", "replace").decode("utf-8"), add_special_tokens=False).ids
                 if ids:
                     out[i] = table[ids].sum(axis=0)
         norms = np.sqrt(np.einsum("ij,ij->i", out, out))

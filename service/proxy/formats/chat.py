@@ -13,7 +13,7 @@ from service.proxy.sse import chat_has_output, reassemble
 from service.upstream.errors import error_cause
 from service.upstream.model_settings import model_body
 
-STREAM_KEYS = ("stream", "stream_options")
+SHADOW_DROPPED = ("stream", "stream_options", "store", "metadata")  # a shadow call is never streamed nor stored
 
 
 class ChatFormat:
@@ -66,7 +66,7 @@ class ChatFormat:
         return model_body(request, model)
 
     def shadow_body(self, request: dict, upstream_model: str) -> dict:
-        body = {k: v for k, v in request.items() if k not in STREAM_KEYS}
+        body = {k: v for k, v in request.items() if k not in SHADOW_DROPPED}
         body["model"] = upstream_model
         return body
 
