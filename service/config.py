@@ -411,6 +411,44 @@ class TracingConfig(Strict):
 class NotifyConfig(Strict):
     webhook_url: str | None = None
 
+    @field_validator("webhook_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        """An http(s) URL with a host and a valid port (else every POST fails, at run time). The
+        error never quotes the URL: its path (Slack, Teams) or user:password@ is the secret."""
+        if not v:
+            return v  # "" is no webhook, as null
+        problem = _webhook_url_problem(v)
+        if problem is not None:
+            raise ValueError(f"must be an http(s) URL with a host and a valid port, got one whose {problem} "
+                             "(the rest of the URL is not shown: it may hold a secret)")
+        return v
+
+
+def _webhook_url_problem(url: str) -> str | None:
+    """What is wrong with a webhook URL, phrased without its secret parts; None when it is fine."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "host part does not parse (e.g. an unclosed '[')"
+    if parts.scheme not in ("http", "https"):
+        shown = f" {parts.scheme!r}" if re.fullmatch(r"[A-Za-z][A-Za-z0-9.+-]{0,15}", parts.scheme) else ""
+        return f"scheme{shown} is not http or https"
+    if not parts.hostname:
+        return "host is missing"
+    if re.search(r"\s", url) or not url.isprintable():
+        return "text contains spaces or control characters"
+    try:
+        port_ok = parts.port is None or parts.port > 0  # .port raises on one out of range or not a number
+    except ValueError:
+        port_ok = False
+    if not port_ok:
+        hostport = parts.netloc.rpartition("@")[2]
+        raw = hostport[hostport.rfind("]") + 1:].partition(":")[2]
+        shown = f" {raw!r}" if re.fullmatch(r"[A-Za-z0-9]{1,8}", raw) else ""
+        return f"port{shown} is not a number from 1 to 65535"
+    return None
+
 
 class Config(Strict):
     server: ServerConfig = ServerConfig()

@@ -196,3 +196,106 @@ def test_with_the_variable_set_no_header_is_still_401(tmp_path, monkeypatch):
     assert r.status_code == 401 and error_of(r)["code"] == "missing_token"
     r = client.get("/admin/rollouts", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 403 and error_of(r)["code"] == "invalid_token"
+
+
+# ---- route names with '/' ------------------------------------------------------------------------------
+
+SLASHED = "acme/support-bot"
+
+
+def slashed_config(tmp_path=None, extra: tuple[str, ...] = ("acme", "acme/report")) -> dict:
+    """Routes `acme/support-bot` (an OpenAI-style model id, as clients name it), and `acme` and
+    `acme/report`, whose names the API must never mistake for one another."""
+    cfg = proxy_config("http://127.0.0.1:9")
+    route = cfg["routes"].pop("support-bot")
+    cfg["routes"] = {SLASHED: route, **{name: dict(route) for name in extra}}
+    if tmp_path is not None:
+        cfg["state_dir"] = str(tmp_path / "state")
+    return cfg
+
+
+def test_a_route_with_a_slash_in_its_name_is_addressed_by_every_endpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("MODELCANARY_ADMIN_TOKEN", TOKEN)
+    client = TestClient(create_app(parse_config(slashed_config(tmp_path))))
+
+    def get(path: str, **kw) -> dict:
+        r = client.get(path, headers=AUTH, **kw)
+        assert r.status_code == 200, (path, r.status_code, r.text)
+        return r.json()
+
+    # the state and the report: %2F as the CLI sends it, or the '/' as is
+    for path in ("/admin/rollouts/acme%2Fsupport-bot", "/admin/rollouts/acme/support-bot"):
+        assert get(path)["route"] == SLASHED
+        body = get(path + "/report")
+        assert body["route"] == body["state"]["route"] == SLASHED
+    # acme%2Freport is route acme/report; acme/report is route acme's report
+    state = get("/admin/rollouts/acme%2Freport")
+    assert state["route"] == "acme/report" and "state" not in state
+    body = get("/admin/rollouts/acme/report")
+    assert body["route"] == body["state"]["route"] == "acme"
+    assert get("/admin/rollouts/acme%2Freport/report")["state"]["route"] == "acme/report"
+    # an action acts on that route only
+    r = client.post("/admin/rollouts/acme%2Fsupport-bot/pause", headers=AUTH)
+    assert r.status_code == 200 and r.json()["route"] == SLASHED and r.json()["phase"] == "paused", r.text
+    phases = {s["route"]: s["phase"] for s in get("/admin/rollouts")["rollouts"]}
+    assert phases == {SLASHED: "paused", "acme": "shadow", "acme/report": "shadow"}
+    r = client.post("/admin/rollouts/acme/support-bot/resume?segment=", headers=AUTH)  # input still checked
+    assert r.status_code == 400 and error_of(r)["param"] == "segment"
+    r = client.post("/admin/rollouts/acme/support-bot/resume", headers=AUTH)
+    assert r.status_code == 200 and r.json()["route"] == SLASHED and r.json()["phase"] == "shadow", r.text
+    # route acme/pause does not exist: POST to it is no pause of route acme
+    r = client.post("/admin/rollouts/acme%2Fpause", headers=AUTH)
+    assert r.status_code == 405, r.text
+    r = client.post("/admin/rollouts/acme%2Fsupport-bot%2Fpause", headers=AUTH)
+    assert r.status_code == 405, r.text
+    r = client.post("/admin/rollouts/acme%2Fsupport-bot/promte", headers=AUTH)
+    assert r.status_code == 404 and error_of(r)["code"] == "unknown_action"
+    r = client.get("/admin/rollouts/acme%2Fsupport-bo", headers=AUTH)
+    assert r.status_code == 404 and "'acme/support-bo'" in error_of(r)["message"]
+    assert {s["route"]: s["phase"] for s in get("/admin/rollouts")["rollouts"]} == \
+        {SLASHED: "shadow", "acme": "shadow", "acme/report": "shadow"}
+    # the token is still required
+    assert client.get("/admin/rollouts/acme%2Fsupport-bot").status_code == 401
+    assert client.post("/admin/rollouts/acme%2Fsupport-bot/pause").status_code == 401
+    # /analysis: the whole rest of the path is the route
+    for path in ("/analysis/acme%2Fsupport-bot", "/analysis/acme/support-bot"):
+        r = client.get(path)
+        assert r.status_code == 200 and r.json()["route"] == SLASHED, r.text
+        assert client.get(path, params={"gate": "promote"}).status_code == 412
+    assert client.get("/analysis/acme/report").json()["route"] == "acme/report"
+    # ordinary names keep their URLs
+    assert get("/admin/rollouts/acme")["route"] == "acme"
+    assert client.post("/admin/rollouts/acme/promote", headers=AUTH).json()["phase"] == "canary"
+
+
+def test_the_cli_addresses_a_route_with_a_slash_on_a_running_proxy(servers, capsys):
+    """Through uvicorn (its raw path keeps the %2F the CLI sends): status, report and an action on
+    `acme/support-bot` reach that route; route `acme` is not touched."""
+    from service.admin import cli
+
+    proxy = servers.proxy(slashed_config(extra=("acme",)), env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+
+    def call(method: str, path: str) -> tuple[int, dict]:
+        req = urllib.request.Request(proxy.url + path, data=b"" if method == "POST" else None, method=method,
+                                     headers=AUTH)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    assert cli.status(proxy.url, TOKEN, SLASHED) == 0
+    assert SLASHED in capsys.readouterr().out
+    assert cli.get_report(proxy.url, TOKEN, SLASHED)["state"]["route"] == SLASHED
+    assert cli.act(proxy.url, TOKEN, SLASHED, "pause") == 0
+    assert f"{SLASHED}: pause → phase paused" in capsys.readouterr().out
+    assert call("GET", "/admin/rollouts/acme%2Fsupport-bot")[1]["phase"] == "paused"
+    assert call("GET", "/admin/rollouts/acme")[1]["phase"] == "shadow"
+    status, body = call("GET", "/admin/rollouts/acme%2Freport")  # route acme/report: none here
+    assert status == 404 and "'acme/report'" in body["error"]["message"], body
+    assert call("POST", "/admin/rollouts/acme%2Fpause")[0] == 405
+    assert call("GET", "/admin/rollouts/acme")[1]["phase"] == "shadow"
+    status, body = call("GET", "/analysis/acme%2Fsupport-bot")
+    assert status == 200 and body["route"] == SLASHED and body["phase"] == "paused", body
+    assert cli.act(proxy.url, TOKEN, SLASHED, "resume") == 0
+    assert call("GET", "/admin/rollouts/acme%2Fsupport-bot")[1]["phase"] == "shadow"

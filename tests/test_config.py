@@ -197,3 +197,44 @@ def test_an_unset_kafka_secret_variable_stops_start_with_its_field(tmp_path, com
     assert ("events.kafka.security.sasl_plain_password_env: environment variable 'MC_TEST_UNSET_SECRET' is not set"
             in result.stderr), result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("url,problem", [
+    ("https://hooks.slack.com:44x/services/T0SECRET/B0SECRET/XXXXSECRETTOKEN", "port '44x' is not a number"),
+    ("https://hooks.slack.com:99999/services/T0SECRET/B0SECRET/XXXXSECRETTOKEN", "port '99999' is not a number"),
+    ("https://user:SECRETPASS@hooks.slack.com:4x/services/T0SECRET", "port '4x' is not a number"),
+    ("ftp://hooks.slack.com/services/T0SECRET/B0SECRET/XXXXSECRETTOKEN", "scheme 'ftp' is not http or https"),
+    ("hooks.slack.com/services/T0SECRET/B0SECRET/XXXXSECRETTOKEN", "scheme is not http or https"),
+    ("https:///services/T0SECRET/B0SECRET/XXXXSECRETTOKEN", "host is missing"),
+    ("http://[::1/services/T0SECRET/B0SECRET/XXXXSECRETTOKEN", "host part does not parse"),
+])
+def test_check_config_refuses_a_webhook_url_that_cannot_work_without_showing_its_secret(tmp_path, url, problem):
+    """A typo in notify.webhook_url fails at start naming the field, not at the first phase change
+    (where the webhook task died and asyncio logged the whole URL); the secret path is never shown."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "providers": {"p": {"base_url": "http://127.0.0.1:1/v1"}},
+        "models": {"m": {"provider": "p", "name": "x"}},
+        "routes": {"r": {"stable": "m"}},
+        "notify": {"webhook_url": url},
+    }))
+    result = check_config(path)
+    assert result.returncode == 1
+    assert "notify.webhook_url: must be an http(s) URL" in result.stderr and problem in result.stderr, result.stderr
+    assert "SECRET" not in result.stderr + result.stdout and "Traceback" not in result.stderr
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "SECRET" not in str(e.value)
+
+
+def test_a_working_webhook_url_passes_check_config(tmp_path):
+    path = tmp_path / "c.yaml"
+    url = "https://hooks.slack.com:443/services/T0/B0/XX"
+    path.write_text(yaml.safe_dump({
+        "providers": {"p": {"base_url": "http://127.0.0.1:1/v1"}},
+        "models": {"m": {"provider": "p", "name": "x"}},
+        "routes": {"r": {"stable": "m"}},
+        "notify": {"webhook_url": url},
+    }))
+    assert check_config(path).returncode == 0
+    assert load_config(path).notify.webhook_url == url

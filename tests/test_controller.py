@@ -4,6 +4,8 @@ holds, restart keeps phase and step, report on the state, webhook on phase chang
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import random
 import time
 from collections.abc import AsyncIterator
@@ -13,10 +15,11 @@ import pytest
 from aiohttp import web
 
 from service.bus.memory import MemoryBus
+from service.config import parse_config
 from service.records import OutcomeEvent
 from service.rollout.book import RolloutBook
 from service.rollout.controller import Controller
-from service.rollout.notify import webhook_payload
+from service.rollout.notify import safe_url, webhook_payload
 from tests.judge_traffic import BAD_TOOLS, make_config, traffic
 
 pytestmark = pytest.mark.anyio
@@ -256,3 +259,75 @@ async def test_a_busy_bus_is_judged_every_interval_not_on_every_batch():
     await task
     assert 1 <= len(ticks) <= 2, [round(t - started, 2) for t in ticks]
     assert controller.evidence["bot"].windows[-1].shadow_records > 100  # every batch was taken in
+
+
+def test_a_new_rollout_of_the_same_models_is_judged_on_its_own_evidence():
+    """The candidate is removed from the config, then named again: the book starts a new rollout in
+    shadow, and the controller must not judge it on the previous rollout's evidence (same pair)."""
+    cfg = make_config(rollout={"min_shadow_samples": 100, "min_samples_per_step": 100})
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    controller = Controller(cfg, bus, book)
+    for record in traffic(3000, 0.0, STABLE, BAD_TOOLS, shadow_rate=0.5, rng=random.Random(1)):
+        controller.ingest(record)  # the first rollout's evidence: a bad candidate, not judged yet
+    assert sum(w.shadow_records for w in controller.evidence["bot"].windows) > 1000
+    without = parse_config({"providers": {"sim": {"base_url": "http://127.0.0.1:9"}},
+                            "models": {"stable-m": {"provider": "sim", "name": "good"}},
+                            "routes": {"bot": {"stable": "stable-m"}}})
+    book.reload(without)  # the operator removes the candidate ...
+    time.sleep(0.01)
+    assert book.reload(cfg) == ["bot"]  # ... and names it again: a new rollout, no tick in between
+    assert book.get("bot").phase == "shadow"
+    controller.tick()  # no record of the new rollout yet: it holds in shadow
+    state = book.get("bot")
+    assert state.phase == "shadow", state.last_decision
+    assert state.recommendation is not None and state.recommendation.decision == "hold"
+    assert "0/100 shadow samples" in state.recommendation.reasons[0]
+    ev = controller.evidence["bot"]
+    assert len(ev.windows) == 1 and ev.windows[0].shadow_records == 0
+    # within the new rollout the evidence is kept across its windows (a pause and a resume)
+    for record in traffic(200, 0.0, STABLE, STABLE, shadow_rate=0.5, rng=random.Random(2)):
+        controller.ingest(record)
+    kept = controller.evidence["bot"].windows[0].shadow_records
+    assert kept > 0
+    book.operate("bot", "pause")
+    book.operate("bot", "resume")
+    controller.tick()
+    assert controller.evidence["bot"] is ev and ev.windows[0].shadow_records == kept and len(ev.windows) == 2
+
+
+SECRET_HOOK = "https://hooks.slack.com:44x/services/T0SECRET/B0SECRET/XXXXSECRETTOKEN"
+
+
+@pytest.mark.parametrize("url,shown", [
+    (SECRET_HOOK, "https://hooks.slack.com:44x/…"),
+    ("https://user:SECRETPASS@hooks.slack.com:99999/services/T0SECRET", "https://hooks.slack.com:99999/…"),
+    ("https://hooks.slack.com:1:2/services/T0SECRET", "https://hooks.slack.com:?/…"),
+    ("https://hooks.slack.com:SECRETSECRET/services/T0SECRET", "https://hooks.slack.com:?/…"),
+    ("http://[::1/services/T0SECRET", "?://?/…"),
+    ("http://[::1]:8080/services/T0SECRET?token=SECRET", "http://[::1]:8080/…"),
+    ("hooks.slack.com/services/T0SECRET", "?://?/…"),
+    ("https://user:SECRETPASS@hooks.slack.com/services/T0SECRET", "https://hooks.slack.com/…"),
+])
+def test_safe_url_never_raises_and_shows_no_secret(url, shown):
+    assert safe_url(url) == shown
+
+
+async def test_a_webhook_url_that_does_not_parse_fails_quietly_without_its_secret(caplog):
+    """The POST fails (a port that is not a number): one warning with the host only; the task ends
+    without an exception (asyncio would log it, whole URL included) and no session is left open."""
+    caplog.set_level(logging.DEBUG)
+    cfg = make_config()
+    bus, book = MemoryBus(), RolloutBook(cfg)
+    controller = Controller(cfg, bus, book, notify_url=SECRET_HOOK)  # the config refuses it; a caller need not
+    book.operate("bot", "pause")  # a phase change: the webhook task starts, nobody drains it
+    tasks = list(controller._tasks)
+    assert tasks
+    await asyncio.wait(tasks, timeout=10)
+    assert all(t.done() and not t.cancelled() and t.exception() is None for t in tasks)
+    del tasks
+    gc.collect()
+    await asyncio.sleep(0)
+    warnings = [r.getMessage() for r in caplog.records if "webhook" in r.getMessage()]
+    assert warnings == ["webhook https://hooks.slack.com:44x/… failed: InvalidUrlClientError"], warnings
+    assert not any("Unclosed" in r.getMessage() for r in caplog.records), caplog.text
+    assert "SECRET" not in caplog.text

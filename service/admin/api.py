@@ -6,6 +6,7 @@ import hmac
 import logging
 import math
 import os
+import urllib.parse
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
@@ -59,22 +60,31 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
             return denied
         return JSONResponse({"rollouts": [_public(s) for s in runtime.book.states.values()]})
 
-    @router.get("/admin/rollouts/{route}")
-    async def get_rollout(route: str, request: Request) -> Response:
-        if (denied := refused(request)) is not None:
-            return denied
-        if route not in runtime.book.states:
-            return unknown(route)
-        return JSONResponse(_public(runtime.book.get(route)))
-
-    @router.get("/admin/rollouts/{route}/report")
+    # A route name may hold '/' (`acme/support-bot`): `{route:path}` takes it, and the route and what
+    # follows it are read from the raw path, where a %2F stays inside its segment, so
+    # /admin/rollouts/acme%2Freport is route `acme/report`, never the report of route `acme`.
+    @router.get("/admin/rollouts/{route:path}/report")
     async def report(route: str, request: Request) -> Response:
+        return get_rollout_or_report(request, f"{route}/report")
+
+    @router.get("/admin/rollouts/{route:path}")
+    async def get_rollout(route: str, request: Request) -> Response:
+        return get_rollout_or_report(request, route)
+
+    def get_rollout_or_report(request: Request, rest: str) -> Response:
+        """GET /admin/rollouts/{route} (the state) or .../{route}/report; `rest` is the path after
+        /admin/rollouts/, decoded."""
         if (denied := refused(request)) is not None:
             return denied
+        segments = _raw_segments(request, rest)
+        wants_report = len(segments) > 1 and segments[-1] == "report"
+        route = _decoded(segments[:-1] if wants_report else segments)
         if route not in runtime.book.states:
             return unknown(route)
         state = runtime.book.get(route)
-        return JSONResponse({"route": route, "state": _public(state), "report": state.report})
+        if wants_report:
+            return JSONResponse({"route": route, "state": _public(state), "report": state.report})
+        return JSONResponse(_public(state))
 
     @router.get("/admin/traffic")
     async def traffic(request: Request) -> Response:
@@ -94,10 +104,15 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
                                     code="invalid_value")
         return Response(b"".join(recent.lines(bounds["since"], bounds["until"])), media_type="application/x-ndjson")
 
-    @router.post("/admin/rollouts/{route}/{action}")
+    @router.post("/admin/rollouts/{route:path}/{action}")
     async def act(route: str, action: str, request: Request) -> Response:
         if (denied := refused(request)) is not None:
             return denied
+        segments = _raw_segments(request, f"{route}/{action}")  # the action is the last raw segment
+        if len(segments) < 2:  # e.g. POST /admin/rollouts/acme%2Fpause: route `acme/pause`, no action
+            return openai_error(405, "POST takes an action: /admin/rollouts/{route}/{promote|pause|resume|rollback}"
+                                " (a '/' in a route name is sent as %2F)", code="method_not_allowed")
+        route, action = _decoded(segments[:-1]), _decoded(segments[-1:])
         if action not in ACTIONS:
             return openai_error(404, f"unknown action {action[:40]!r}; use one of {', '.join(ACTIONS)}",
                                 param="action", code="unknown_action")
@@ -129,7 +144,7 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
         audit.info("operator action=reload restarted=%s", ",".join(restarted) or "-")
         return JSONResponse({"status": "reloaded", "new_rollouts": restarted})
 
-    @router.get("/analysis/{route}")
+    @router.get("/analysis/{route:path}")  # the whole rest of the path: acme/support-bot or acme%2Fsupport-bot
     async def analysis(route: str, request: Request) -> Response:
         from service.judge.segments import analysis_of as verdict_of
 
@@ -146,6 +161,24 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
         return JSONResponse(result)
 
     return router
+
+
+def _raw_segments(request: Request, rest: str) -> list[str]:
+    """`rest` (the decoded path after a prefix) as the raw, still percent-encoded, segments it was
+    sent as: the tail of the raw path that decodes to it. Without a raw path (a server that gives
+    none), the decoded segments."""
+    raw = request.scope.get("raw_path")
+    if isinstance(raw, bytes):
+        parts = raw.decode("latin-1").split("/")
+        for k in range(1, len(parts) + 1):
+            tail = parts[-k:]
+            if urllib.parse.unquote("/".join(tail)) == rest:
+                return tail
+    return rest.split("/")
+
+
+def _decoded(segments: list[str]) -> str:
+    return urllib.parse.unquote("/".join(segments))
 
 
 def _public(state) -> dict:

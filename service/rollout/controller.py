@@ -35,7 +35,7 @@ from service.judge.evidence import RouteEvidence
 from service.judge.matrix import capability_matrix
 from service.judge.segments import candidates_of, decide_segments, rollout_start
 from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutReport, RolloutState
-from service.rollout.book import TERMINAL, RolloutBook
+from service.rollout.book import MAX_WINDOWS, TERMINAL, RolloutBook
 from service.rollout.feedback import REQUESTS_REMEMBERED, FeedbackResolver
 from service.rollout.notify import safe_url, webhook_payload
 
@@ -74,7 +74,6 @@ class Controller:
         self._reported_at: dict[str, float] = {}
         self._sent_reports: dict[str, dict] = {}  # route -> the last report published, without generated_at
         self._tasks: set[asyncio.Task] = set()
-        self._session: aiohttp.ClientSession | None = None
         self.last_tick: float | None = None
         book.on_change(self._on_change)
 
@@ -153,7 +152,8 @@ class Controller:
         if state is None or rc is None or state.candidate is None:
             return None
         ev = self.evidence.get(route)
-        same_rollout = ev is not None and (ev.stable, ev.candidate) == (state.stable, state.candidate)
+        same_rollout = ev is not None and (ev.stable, ev.candidate) == (state.stable, state.candidate) \
+            and not _before_rollout(ev, state)  # the same pair again, but a new rollout of it: start fresh
         if not same_rollout or ev.rc.task_types != rc.task_types:
             ev = self.evidence[route] = RouteEvidence(route, rc, state.stable, state.candidate)
         elif ev.rc is not rc:
@@ -170,16 +170,11 @@ class Controller:
         state = self.book.states[route]
         if state.scope != "segment":
             return {first.candidate: first}  # type: ignore[dict-item]
-        began = rollout_start(state) - 1e-6
-        if first.windows[0].start < began:  # a previous rollout's, with the same first candidate
-            del self.evidence[route]
-            first = self._evidence_for(route)
-            assert first is not None
-        out = {state.candidate: first}
+        out = {state.candidate: first}  # `_evidence_for` dropped a previous rollout's already
         others = self.more_evidence.setdefault(route, {})
         for candidate in candidates_of(state)[1:]:
             ev = others.get(candidate)
-            if ev is None or ev.stable != state.stable or ev.windows[0].start < began:
+            if ev is None or ev.stable != state.stable or _before_rollout(ev, state):
                 ev = others[candidate] = _reopened(route, first.rc, state, candidate)
             ev.rc = first.rc
             ev.sync(state)
@@ -347,20 +342,29 @@ class Controller:
         if not url:
             return
         try:
-            if self._session is None or self._session.closed:
-                self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S),
-                                                      trust_env=True)  # HTTPS_PROXY, as providers
-            async with self._session.post(url, json=payload) as resp:
-                if resp.status >= 300:
-                    log.warning("webhook %s answered %s", safe_url(url), resp.status)
+            # a session per POST (phase changes are rare): closed however the POST ends, also when
+            # nothing drains the webhooks (the controller never ran, or was cancelled)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S),
+                                             trust_env=True) as session:  # HTTPS_PROXY, as providers
+                async with session.post(url, json=payload) as resp:
+                    if resp.status >= 300:
+                        log.warning("webhook %s answered %s", safe_url(url), resp.status)
         except Exception as e:  # never raised: a notification must not affect a decision
+            # the exception's text is not logged: aiohttp's name the whole URL, secret path included
             log.warning("webhook %s failed: %s", safe_url(url), type(e).__name__)
 
     async def _drain_webhooks(self, timeout_s: float = 2.0) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
+
+
+def _before_rollout(ev: RouteEvidence, state: RolloutState) -> bool:
+    """`ev` holds evidence from before the state's rollout began: a previous rollout's (the same
+    stable and candidate may be rolled out again, e.g. removed from the config and named again).
+    A window list cut to its last MAX_WINDOWS no longer tells when the rollout began: kept then."""
+    if not ev.windows or len(state.windows) >= MAX_WINDOWS:
+        return False
+    return ev.windows[0].start < rollout_start(state) - 1e-6
 
 
 def _reopened(route: str, rc: RouteConfig, state: RolloutState, candidate: str) -> RouteEvidence:
