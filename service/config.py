@@ -477,6 +477,11 @@ class Config(Strict):
             judge = route.shadow.judge
             if judge is not None and judge.model not in self.models:
                 problems.append((("routes", name, "shadow", "judge", "model"), f"unknown model {judge.model!r}"))
+            elif judge is not None and (p := self.providers.get(self.models[judge.model].provider)) is not None \
+                    and p.api != "openai":
+                problems.append((("routes", name, "shadow", "judge", "model"),
+                                 f"the judge {judge.model!r} is served by an api: {p.api} provider; the judge's "
+                                 "prompt is a Chat Completions request, so it needs an api: openai provider"))
             embeddings = route.shadow.similarity.model
             if embeddings is not None and embeddings not in self.models:
                 problems.append((("routes", name, "shadow", "similarity", "model"), f"unknown model {embeddings!r}"))

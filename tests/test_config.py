@@ -95,6 +95,10 @@ BROKEN = [
      "routes.support-bot.shadow.judge.mode: Input should be 'pairwise'"),
     ({"routes": {"support-bot": {"stable": "m", "rollout": {"margins": {"judge_preference": -1}}}}},
      "routes.support-bot.rollout.margins.judge_preference:"),
+    ({"providers": {"claude": {"base_url": "http://127.0.0.1:1/v1", "api": "anthropic"}},
+      "models": {"sonnet": {"provider": "claude", "name": "claude-sonnet"}},
+      "routes": {"support-bot": {"stable": "m", "shadow": {"judge": {"model": "sonnet"}}}}},
+     "routes.support-bot.shadow.judge.model: the judge 'sonnet' is served by an api: anthropic provider"),
 ]
 
 
