@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -195,6 +196,18 @@ def test_unknown_routes_methods_and_malformed_http(stack):
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400"), data[:200]
     openai_error(body)
+
+
+def test_a_405_says_which_methods_are_allowed(stack):
+    proxy, _ = stack
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    try:
+        conn.request("DELETE", "/healthz")
+        response = conn.getresponse()
+        openai_error(response.read())
+        assert response.status == 405 and "GET" in response.headers["allow"]
+    finally:
+        conn.close()
 
 
 def test_proxy_is_healthy_after_all_of_it(stack):

@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import json
 import logging
+import re
 import socket
 import subprocess
 import sys
@@ -165,6 +166,54 @@ def test_the_guarded_protocol_serves_and_refuses_through_uvicorns_callbacks():
         garbage, _ = await exchange(b"\x16\x03\x01 not http\r\n\r\n")
         head, _, body = garbage.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http_request"
+
+    asyncio.run(go())
+
+
+def test_one_header_longer_than_the_head_limit_is_refused_while_it_comes():
+    """httptools hands a header over only once it ends: the bytes of one that has not ended count too,
+    so a client can't make the proxy hold (and re-join) megabytes of it."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(hello, log_level="warning"),
+                                            server_state=ServerState(), app_state={}, _loop=loop)
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        await loop.connect_accepted_socket(lambda: protocol, ours)
+        await loop.sock_sendall(theirs, b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent = 0
+        while not protocol._refused and sent < 10 * protocol.max_head_bytes:
+            await loop.sock_sendall(theirs, b"a" * 8192)  # never ends
+            sent += 8192
+            await asyncio.sleep(0.001)
+        answer = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
+        theirs.close()
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+        assert sent <= protocol.max_head_bytes + 2 * 8192, sent
+
+    asyncio.run(go())
+
+
+def test_a_refused_request_waits_for_the_answers_pipelined_before_it():
+    async def slow(scope, receive, send) -> None:
+        await asyncio.sleep(0.2)
+        await hello(scope, receive, send)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(slow, log_level="warning"),
+                                            server_state=ServerState(), app_state={}, _loop=loop)
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        await loop.connect_accepted_socket(lambda: protocol, ours)
+        await loop.sock_sendall(theirs, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+                                        b"GET /c HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+        data = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5):
+            data += chunk
+        theirs.close()
+        statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", data)
+        assert statuses == [b"200", b"200", b"431"], data[:300]
 
     asyncio.run(go())
 

@@ -297,7 +297,8 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return openai_error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return openai_error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None,
+                            headers=dict(exc.headers) if exc.headers else None)  # a 405's Allow
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

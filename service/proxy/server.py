@@ -51,8 +51,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._answerer = self.app.native_chat() if isinstance(self.app, ProxyApp) else None
-        self._head_bytes = 0
+        self._head_bytes = 0      # the request line and the headers ended so far
+        self._unended_bytes = 0   # bytes read since the last header ended, while none did (one long header)
+        self._in_head = False
         self._refused = False
+        self._refusal: bytes | None = None  # the refusal's bytes, held while earlier answers go out
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.head_timeout_s, self._head_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -60,12 +63,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._refused:
-            super().data_received(data)
+        if self._refused:
+            return
+        in_head = self._in_head
+        super().data_received(data)
+        if in_head and self._in_head and not self._refused:  # httptools holds a header that has not ended
+            self._unended_bytes += len(data)
+            self._count_head(0)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = 0
+        self._head_bytes = self._unended_bytes = 0
+        self._in_head = True
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timeout)
 
@@ -74,12 +83,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._unended_bytes = 0
         self._count_head(len(name) + len(value) + 4)
         if not self._refused:
             super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        self._in_head = False
         if self._refused:
             return
         if self._answerer is not None and self.url == CHAT_URL and self.parser.get_method() == b"POST":
@@ -126,9 +137,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self._refused:
             self._refuse(400, msg, "invalid_http_request")
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._refusal is not None and not self._answering():
+            self._send_refusal()
+
     def _count_head(self, n: int) -> None:
         self._head_bytes += n
-        if self._head_bytes > self.max_head_bytes and not self._refused:
+        if max(self._head_bytes, self._unended_bytes) > self.max_head_bytes and not self._refused:
             self._refuse(431, f"request headers exceed {self.max_head_bytes} bytes", "headers_too_large")
 
     def _head_timeout(self) -> None:
@@ -145,12 +161,24 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer = None
 
     def _refuse(self, status: int, message: str, code: str) -> None:
+        """Stop reading and answer `status`, then close: once the answers to the requests before this
+        one (pipelined on the connection) have gone out, never in the middle of one."""
         self._refused = True
         self._cancel_head_timer()
         body = error_body(status, message, code, type_="invalid_request_error")
         reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
-        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+        self._refusal = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                         b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+        if not self._answering():
+            self._send_refusal()
+
+    def _answering(self) -> bool:
+        return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
+
+    def _send_refusal(self) -> None:
+        refusal, self._refusal = self._refusal, None
+        if refusal is not None and not self.transport.is_closing():
+            self.transport.write(refusal)
         self.transport.close()
 
 
