@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 
@@ -278,4 +280,137 @@ def test_an_unfinished_answer_closes_its_connection_and_header_injection_is_refu
                 await origin.request("POST", "/x", b"", {"Authorization": "Bearer k\r\nX-Evil: 1"}, 5, False)
     with pytest.raises(ValueError, match="base_url"):
         Origin("ftp://example.com", 5)
+    run(go())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_whole_body_above_the_high_water_is_read(stream: bool):
+    """read() takes the whole body: no backpressure stops the socket, also on a stream's connection (a
+    stream's error answer is read whole), paused before."""
+    async def go():
+        big = b'{"data":"' + b"x" * (HIGH_WATER * 8) + b'"}'
+        status = b"500 Internal Server Error" if stream else b"200 OK"
+
+        async def in_pieces(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 %s\r\ncontent-length: %d\r\n\r\n" % (status, len(big)))
+            for i in range(0, len(big), 64 * 1024):
+                writer.write(big[i:i + 64 * 1024])
+                await writer.drain()
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(30)
+
+        async with Server(in_pieces) as server:
+            origin = Origin(server.url, 5)
+            conn = await get(origin, timeout_s=2, stream=stream)
+            while stream and not conn._paused:  # a stream's socket has paused before read() is called
+                await asyncio.sleep(0.01)
+            async with asyncio.timeout(5):  # a paused socket that read() leaves paused: a stall
+                assert await conn.read() == big
+            conn.release()
+            assert len(origin._idle) == 1
+    run(go())
+
+
+def test_a_connection_paused_at_its_answers_end_serves_the_next_call():
+    """An answer that completes while its socket is paused (a gzip body decoding past the high water
+    in one read, unread): the connection goes back to the pool reading again."""
+    async def go():
+        big = b"x" * (HIGH_WATER * 2)
+        box: list[Server] = []
+
+        async def gzip_then_small(reader, writer):
+            await read_request(reader)
+            packed = gzip.compress(big)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(packed), packed))
+            await writer.drain()
+            await keep_alive_server(box)(reader, writer)
+
+        async with Server(gzip_then_small) as server:
+            box.append(server)
+            origin = Origin(server.url, 5)
+            conn = await get(origin, stream=True)
+            while not conn.done:
+                await asyncio.sleep(0.01)
+            assert conn._paused
+            conn.release()  # the reader stopped before the (complete) body's end
+            conn = await get(origin, timeout_s=1)
+            assert await conn.read() == b'{"ok":true}'
+            conn.release()
+            assert server.connections == 1
+    run(go())
+
+
+def test_a_stream_paused_for_its_slow_reader_times_out_only_on_the_upstreams_silence():
+    async def go():
+        event = b"data: " + b"y" * 10_000 + b"\n\n"
+        sent = event * 100  # 1 MB at once, then nothing more: not the body's end
+
+        async def burst_then_silence(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"".join(b"%x\r\n%s\r\n" % (len(event), event) for _ in range(100)))
+            await writer.drain()
+            await asyncio.sleep(30)
+
+        async with Server(burst_then_silence) as server:
+            origin = Origin(server.url, 5)
+            conn = await get(origin, timeout_s=0.3, stream=True)
+            got = await conn.next_chunk()
+            await asyncio.sleep(0.9)  # the reader is slow: the socket waits for it, not for the upstream
+            assert conn._paused
+            while len(got) < len(sent):
+                got += await conn.next_chunk()
+            assert got == sent
+            started = time.monotonic()
+            with pytest.raises(HTTPFailure) as failure:
+                await conn.next_chunk()
+            assert failure.value.timeout and time.monotonic() - started < 1
+            conn.release()
+    run(go())
+
+
+def test_a_reset_or_a_gzip_stream_cut_short_is_not_a_whole_body():
+    async def go():
+        async def reset_mid_body(reader, writer):
+            await read_request(reader)
+            writer.write(b'HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{"choices":[{"message":{"content":"Hel')
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # a RST, not an orderly close
+
+        packed = gzip.compress(b'{"answer":"' + bytes(range(256)) * 200 + b'"}')
+        half = packed[:len(packed) // 2]
+
+        async def gzip_with_length_cut(reader, writer):
+            await read_request(reader)
+            writer.write(ok(half, b"content-encoding: gzip"))
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        async def gzip_until_close_cut(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\nconnection: close\r\n\r\n" + half)
+            await writer.drain()
+
+        for handler, where in ((reset_mid_body, "mid-body"), (gzip_with_length_cut, "does not decode"),
+                               (gzip_until_close_cut, "does not decode")):
+            async with Server(handler) as server:
+                origin = Origin(server.url, 5)
+                with pytest.raises(HTTPFailure) as failure:
+                    conn = await get(origin)
+                    await conn.read()
+                assert not failure.value.timeout and where in failure.value.detail, failure.value.detail
+
+        box: list[Server] = []
+        empty = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 0\r\n\r\n"
+        async with Server(keep_alive_server(box, empty)) as server:  # no bytes: an empty body, not a cut one
+            box.append(server)
+            origin = Origin(server.url, 5)
+            conn = await get(origin)
+            assert await conn.read() == b""
+            conn.release()
+            assert len(origin._idle) == 1
     run(go())

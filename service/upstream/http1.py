@@ -10,8 +10,8 @@ What it does: TLS (`https://`, the system's CAs), an egress proxy from the envir
 (`HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY`: service/upstream/egress.py), chunked and length- or
 close-delimited bodies, gzip/deflate bodies (decoded), a connect timeout, and either a deadline for
 the whole answer or, for streams, a limit on the gap between two reads. A stream that outruns its
-reader stops the socket's reads until the reader catches up. Not done, since an LLM API needs none
-of it: redirects, HTTP/2, 1xx answers.
+reader stops the socket's reads until the reader catches up; that pause is not counted in the gap.
+Not done, since an LLM API needs none of it: redirects, HTTP/2, 1xx answers.
 """
 
 from __future__ import annotations
@@ -174,12 +174,14 @@ class Connection(asyncio.Protocol):
         self.headers: dict[str, str] = {}
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
+        self._backpressure = False  # a stream read chunk by chunk: its socket pauses above HIGH_WATER
         self._paused = False
         self._head_in = False
         self._keep_alive = False
         self._done = False
         self._failure: HTTPFailure | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._encoded = False
         self._decoder: zlib._Decompress | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timeout_s = 0.0
@@ -192,7 +194,7 @@ class Connection(asyncio.Protocol):
         assert self._transport is not None and not self._busy
         self._begin()
         self._busy = True
-        self._timeout_s, self._stream, self._head_only = timeout_s, stream, head_only
+        self._timeout_s, self._stream, self._backpressure, self._head_only = timeout_s, stream, stream, head_only
         self._last_read = self._loop.time()
         self._timer = self._loop.call_at(self._last_read + timeout_s, self._on_timer)
         self._transport.write(head + body)
@@ -203,7 +205,10 @@ class Connection(asyncio.Protocol):
 
     async def read(self) -> bytes:
         """The whole body."""
+        self._backpressure = False  # the reader takes all of it at once
         while not self._done:
+            if self._paused:
+                self._resume()
             await self._wait()
         data = b"".join(self._chunks)
         self._chunks.clear()
@@ -217,9 +222,8 @@ class Connection(asyncio.Protocol):
             await self._wait()
         data = self._chunks.popleft()
         self._buffered -= len(data)
-        if self._paused and self._buffered < HIGH_WATER // 2 and self._transport is not None:
-            self._paused = False
-            self._transport.resume_reading()
+        if self._paused and self._buffered < HIGH_WATER // 2:
+            self._resume()
         return data
 
     @property
@@ -234,6 +238,8 @@ class Connection(asyncio.Protocol):
         self._busy = False
         self._cancel_timer()
         if self._done and self._failure is None and self._keep_alive and not self._head_only:
+            if self._paused:  # ended while its reader was behind: idle, it must see the server's close
+                self._resume()
             self.origin._put_back(self)
         else:
             self.close()
@@ -257,6 +263,17 @@ class Connection(asyncio.Protocol):
         if self._failure is not None:
             raise self._failure
 
+    def _pause(self) -> None:
+        self._paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def _resume(self) -> None:
+        self._paused = False
+        self._last_read = self._loop.time()  # the gap counts the upstream's silence, not our pause
+        if self._transport is not None:
+            self._transport.resume_reading()
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -270,9 +287,10 @@ class Connection(asyncio.Protocol):
         self._timer = None
         if self._done or not self._busy:
             return
-        if self._stream:  # a limit on each gap between reads
-            due = self._last_read + self._timeout_s
-            if due > self._loop.time():
+        if self._stream:  # a limit on each gap between reads, while reading is not paused
+            now = self._loop.time()
+            due = now + self._timeout_s if self._paused else self._last_read + self._timeout_s
+            if due > now:
                 self._timer = self._loop.call_at(due, self._on_timer)
                 return
         self._fail(True, f"no answer in {self._timeout_s:g} s")
@@ -307,10 +325,12 @@ class Connection(asyncio.Protocol):
         self.origin._forget(self)
         self._cancel_timer()
         if self._busy and not self._done:
-            if self._head_in and self._ends_at_close():
+            where = "mid-body" if self._head_in else "before answering"
+            if exc is not None:  # a reset, not the orderly close that may end a body
+                self._fail(False, f"the connection broke {where} ({type(exc).__name__})")
+            elif self._head_in and self._ends_at_close():
                 self.on_message_complete()
             else:
-                where = "mid-body" if self._head_in else "before answering"
                 self._fail(False, f"the server closed the connection {where}")
         self._wake()
 
@@ -325,14 +345,15 @@ class Connection(asyncio.Protocol):
         self._keep_alive = self._parser.should_keep_alive()  # llhttp forgets it once the message is over
         self._head_in = True
         encoding = self.headers.get("content-encoding", "").strip().lower()
-        if encoding in ("gzip", "deflate", "x-gzip"):
-            self._decoder = zlib.decompressobj(wbits=47)  # gzip or zlib, by the header
+        self._encoded = encoding in ("gzip", "deflate", "x-gzip")
         if self._head_only:
             self._finish()
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self._decoder is not None:
+        if self._encoded:
+            if self._decoder is None:
+                self._decoder = zlib.decompressobj(wbits=47)  # gzip or zlib, by the header; none for an empty body
             try:
                 body = self._decoder.decompress(body)
             except zlib.error:
@@ -342,14 +363,17 @@ class Connection(asyncio.Protocol):
         if body:
             self._chunks.append(body)
             self._buffered += len(body)
-            if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
-                self._paused = True
-                self._transport.pause_reading()
+            if self._buffered > HIGH_WATER and self._backpressure and not self._paused:
+                self._pause()
             self._wake()
 
     def on_message_complete(self) -> None:
         if self._decoder is not None:
             rest = self._decoder.flush()
+            if not self._decoder.eof:  # the compressed data stops short of its end
+                self._fail(False, "a body that does not decode (cut short)")
+                self.close()
+                return
             if rest:
                 self._chunks.append(rest)
         self._finish()

@@ -111,7 +111,7 @@ async def send_with_retries(
             return Attempted(reply, None, retries)
         if failure is not None and failure.cause == "timeout":
             return Attempted(None, failure, retries)  # a hung upstream already used the time budget
-        if retries >= provider.max_retries or not budget.try_spend():
+        if retries >= provider.max_retries:
             return Attempted(reply, failure, retries)
         cause = failure.cause if failure else error_cause(reply.status, None)  # type: ignore[union-attr]
         delay = random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**retries))
@@ -119,6 +119,8 @@ async def send_with_retries(
         if hinted is not None:
             delay = max(delay, hinted)
         if delay > RETRY_AFTER_CAP_S or (deadline_s is not None and time.monotonic() - started + delay > deadline_s):
+            return Attempted(reply, failure, retries)
+        if not budget.try_spend():  # last: the budget pays only for a retry that is made
             return Attempted(reply, failure, retries)
         if on_retry is not None:
             on_retry(cause, t0, time.time_ns())
