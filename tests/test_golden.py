@@ -15,9 +15,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from collectors.golden import capture as capturing
 from collectors.golden import dataset
 from collectors.golden.verdicts import against_live, per_segment
 from service.bus.kafka import read_topic
+from service.config import parse_config
+from service.records import PrimaryResult, TrafficEvent
 from tests.fixtures.servers import CLI, ROOT, SIM_MODEL, proxy_config, sim_config, write_yaml
 
 pytestmark = pytest.mark.timeout(300)
@@ -175,6 +178,138 @@ def test_capture_from_memory_proxy_redacts_and_keeps_no_credential(servers, tmp_
     code, _, err = in_process(capsys, ["replay", str(everything), "--candidate", "stable-m", "--config",
                                        str(proxy.config_path), "--against-report", proxy.url])
     assert code == 2 and "canaries 'candidate-m', not 'stable-m'" in err
+
+
+# ---- capture's redaction: tool-call arguments (JSON in a string) and schemas -------------------------------
+
+
+def captured(request: dict, body: dict | None = None) -> dataset.Case:
+    """One sampled request (and its live answer) through `capture`'s selection, with `builtin:email`."""
+    config = parse_config(proxy_config("http://127.0.0.1:9", shadow={"sample_rate": 1.0,
+                                                                      "redact": ["builtin:email"]}))
+    live = PrimaryResult(model="stable-m", status=200, body=body, latency_s=0.1, outcome="completed")
+    event = TrafficEvent(request_id="r1", ts=time.time(), route=ROUTE, segment="tools", request=request,
+                         primary=live, config_version="v1")
+    sel = capturing.select([event], config)
+    assert len(sel.cases) == 1
+    return sel.cases[0]
+
+
+def arguments_of(case_part: dict, *path) -> str:
+    value: object = case_part
+    for key in path:
+        value = value[key]  # type: ignore[index]
+    assert isinstance(value, str), f"{path}: the arguments are no longer a JSON string: {value!r}"
+    return value
+
+
+def test_capture_redacts_credentials_inside_tool_call_arguments_of_requests_and_answers():
+    secret, key = "hunter2-" + uuid.uuid4().hex, "sk-live-" + uuid.uuid4().hex
+    chat = {"messages": [
+        {"role": "user", "content": "log me in"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "login", "arguments": json.dumps({"password": secret, "city": "Paris"})}},
+            {"id": "c2", "type": "function",   # nested, in a list, with an email for the route's pattern
+             "function": {"name": "sync", "arguments": json.dumps(
+                 {"accounts": [{"user": "jane@example.com", "auth": {"api_key": secret}}]})}},
+            {"id": "c3", "type": "function",   # not JSON: kept as text, with the text patterns
+             "function": {"name": "raw", "arguments": f"key={key}"}},
+            {"id": "c4", "type": "function",   # nothing to redact: the very same text
+             "function": {"name": "weather", "arguments": '{"city":  "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"session": {"secret": secret}, "ok": True})}],
+        "tools": WEATHER}
+    answer = {"id": "x", "object": "chat.completion", "model": "good-model", "choices": [
+        {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c5", "type": "function",
+             "function": {"name": "login", "arguments": json.dumps({"user": "bob", "password": secret})}}]}}]}
+    case = captured(chat, answer)
+    text = case.model_dump_json()
+    assert secret not in text and key not in text and "jane@example.com" not in text
+
+    calls = case.request["messages"][1]["tool_calls"]
+    assert json.loads(arguments_of(calls[0], "function", "arguments")) == {"password": "[REDACTED]", "city": "Paris"}
+    assert json.loads(arguments_of(calls[1], "function", "arguments")) == \
+        {"accounts": [{"user": "[REDACTED]", "auth": {"api_key": "[REDACTED]"}}]}
+    assert arguments_of(calls[2], "function", "arguments") == "key=[REDACTED]"
+    assert arguments_of(calls[3], "function", "arguments") == '{"city":  "Paris"}'
+    assert json.loads(case.request["messages"][2]["content"]) == {"session": {"secret": "[REDACTED]"}, "ok": True}
+    assert case.live is not None and case.live.body is not None
+    message = case.live.body["choices"][0]["message"]
+    assert json.loads(arguments_of(message, "tool_calls", 0, "function", "arguments")) == \
+        {"user": "bob", "password": "[REDACTED]"}
+
+    # the Responses API (function_call items, their outputs) and a streamed Anthropic tool_use's text input
+    responses = {"input": [
+        {"type": "function_call", "call_id": "c1", "name": "login", "arguments": json.dumps({"password": secret})},
+        {"type": "function_call_output", "call_id": "c1", "output": json.dumps({"access_token": secret})}]}
+    answer = {"object": "response", "output": [
+        {"type": "function_call", "call_id": "c2", "name": "login", "arguments": json.dumps({"Password": secret})}]}
+    case = captured(responses, answer)
+    assert secret not in case.model_dump_json()
+    assert json.loads(arguments_of(case.request, "input", 0, "arguments")) == {"password": "[REDACTED]"}
+    assert json.loads(arguments_of(case.request, "input", 1, "output")) == {"access_token": "[REDACTED]"}
+    assert case.live is not None and case.live.body is not None
+    assert json.loads(arguments_of(case.live.body, "output", 0, "arguments")) == {"Password": "[REDACTED]"}
+    anthropic = {"max_tokens": 100, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "login", "input": {"password": secret}},
+        {"type": "tool_use", "id": "t2", "name": "login", "input": json.dumps({"password": secret})}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": json.dumps({"client_secret": secret})}]}]}
+    case = captured(anthropic)
+    assert secret not in case.model_dump_json()
+    blocks = case.request["messages"][0]["content"]
+    assert blocks[0]["input"] == {"password": "[REDACTED]"}
+    assert json.loads(arguments_of(blocks[1], "input")) == {"password": "[REDACTED]"}
+    assert json.loads(arguments_of(case.request["messages"][1]["content"][0], "content")) == \
+        {"client_secret": "[REDACTED]"}
+
+
+def test_capture_keeps_tool_schemas_with_credential_named_properties_as_valid_schemas():
+    from jsonschema import Draft202012Validator
+
+    def schema() -> dict:
+        return {"type": "object", "required": ["user", "password"], "properties": {
+            "user": {"type": "string", "description": "the login, e.g. jane@example.com"},
+            "password": {"type": "string", "minLength": 8},
+            "api_key": {"type": "string"}, "secret": {"type": "object", "properties": {"token": {"type": "string"}}}}}
+
+    def cleaned(s: dict) -> dict:  # the schema as capture keeps it: only the email in a description goes
+        s = copy.deepcopy(s)
+        s["properties"]["user"]["description"] = "the login, e.g. [REDACTED]"
+        return s
+
+    chat = {"messages": [{"role": "user", "content": "log me in"}],
+            "tools": [{"type": "function", "function": {"name": "login", "parameters": schema()}}],
+            "functions": [{"name": "login", "parameters": schema()}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "creds", "schema": schema()}},
+            "metadata": {"password": "p-" + uuid.uuid4().hex}}   # data outside the schemas is still redacted
+    case = captured(chat)
+    request = case.request
+    for got in (request["tools"][0]["function"]["parameters"], request["functions"][0]["parameters"],
+                request["response_format"]["json_schema"]["schema"]):
+        assert got == cleaned(schema())
+        Draft202012Validator.check_schema(got)
+    assert request["metadata"] == {"password": "[REDACTED]"}
+
+    responses = {"input": "log me in", "tools": [{"type": "function", "name": "login", "parameters": schema()}],
+                 "text": {"format": {"type": "json_schema", "name": "creds", "schema": schema()}}}
+    echo = {"object": "response", "output": [], "tools": copy.deepcopy(responses["tools"]),
+            "text": copy.deepcopy(responses["text"])}   # a Responses answer echoes the tools and the format
+    case = captured(responses, echo)
+    assert case.live is not None and case.live.body is not None
+    for got in (case.request["tools"][0]["parameters"], case.request["text"]["format"]["schema"],
+                case.live.body["tools"][0]["parameters"], case.live.body["text"]["format"]["schema"]):
+        assert got == cleaned(schema())
+        Draft202012Validator.check_schema(got)
+
+    anthropic = {"max_tokens": 100, "messages": [{"role": "user", "content": "log me in"}],
+                 "tools": [{"name": "login", "input_schema": schema()}],
+                 "output_format": {"type": "json_schema", "schema": schema()}}
+    case = captured(anthropic)
+    for got in (case.request["tools"][0]["input_schema"], case.request["output_format"]["schema"]):
+        assert got == cleaned(schema())
+        Draft202012Validator.check_schema(got)
 
 
 # ---- capture from Kafka ---------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ session's feedback to its latest request (sources.py reads them: from a running 
 in Kafka mode). `select` turns them into cases:
 
 1. the time range: traffic with `since <= ts < until`;
-2. redaction: the route's `shadow.redact` patterns (applied again: the file may outlive a
-   config that redacted less), then the credential rules (`scrub_credentials`);
+2. redaction (`redaction.redact`): the route's `shadow.redact` patterns (applied again: the file
+   may outlive a config that redacted less), then the credential rules, inside tool-call arguments
+   and tool results too (JSON in a string); schemas (tool parameters, JSON output schemas) are
+   kept as schemas;
 3. deduplication by request fingerprint per route (the earliest case is kept);
 4. stratified caps: at most `per_segment` cases per route and segment, a uniform sample chosen by
    a hash of the request id (the same input gives the same file).
@@ -21,31 +23,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from collectors.golden.dataset import Case, Feedback, fingerprint
+from collectors.golden.redaction import redact
 from service.config import Config
-from service.proxy.recorder import compiled_redactions, scrub
+from service.proxy.recorder import compiled_redactions
 from service.proxy.routing import unit_hash
 from service.records import OutcomeEvent, PrimaryResult, Record, TrafficEvent
-
-REDACTED = "[REDACTED]"
-# Keys whose value is a credential wherever they appear in a request or an answer.
-CREDENTIAL_KEYS = frozenset({"authorization", "proxy_authorization", "api_key", "apikey", "x_api_key",
-                             "access_token", "refresh_token", "client_secret", "password", "secret"})
-# Credentials pasted into text: bearer tokens and API keys of the common "sk-…" shape.
-CREDENTIAL_PATTERNS = [re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}"),
-                       re.compile(r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}")]
-
-
-def scrub_credentials(value: object) -> object:
-    """The credential rules: values under credential keys, and credential-shaped strings, redacted."""
-    if isinstance(value, dict):
-        return {k: REDACTED if _credential_key(k) else scrub_credentials(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [scrub_credentials(v) for v in value]
-    return scrub(value, CREDENTIAL_PATTERNS)
-
-
-def _credential_key(key: object) -> bool:
-    return isinstance(key, str) and key.lower().replace("-", "_") in CREDENTIAL_KEYS
 
 
 @dataclass
@@ -130,7 +112,7 @@ def select(records: Iterable[Record], config: Config, per_segment: int | None = 
 
 def _case(ev: TrafficEvent, patterns: list[re.Pattern], feedback: Feedback | None) -> Case:
     def clean(obj: dict) -> dict:
-        return scrub_credentials(scrub(obj, patterns) if patterns else obj)  # type: ignore[return-value]
+        return redact(obj, patterns)  # type: ignore[return-value]  # a dict redacted is a dict
 
     request = clean(ev.request)
     primary = ev.primary
