@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from service.config import Config, ConfigError, environment_problems, load_config
+from service.config import Config, ConfigError, environment_problems, load_config, port_number
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -155,9 +155,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from service.rollout.state_file import state_dir_problem
+
     try:
         config = load_config(args.file)
         problems = environment_problems(config, proxy=True)
+        if config.events.backend == "memory" and (problem := state_dir_problem(Path(config.state_dir), create=False)):
+            problems.append(f"state_dir: {problem}")
         if problems:
             raise ConfigError(args.file, problems)
     except ConfigError as e:
@@ -218,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the proxy (and, in memory mode, shadow workers and controller)")
     p.add_argument("--config", required=True)
     p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--port", type=port_number)
     p.add_argument("--workers", type=int, default=1)
     p.set_defaults(func=cmd_serve)
 
@@ -233,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="serve OpenAI-compatible fake models")
     p.add_argument("--config", required=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--port", type=port_number, default=9001)
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("demo", help="everything embedded + simulator + traffic + live view")

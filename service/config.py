@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
@@ -10,6 +11,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 BUILTIN_SEGMENTS = ("tools", "json", "long_context", "multi_turn", "chat")
@@ -126,9 +129,29 @@ class ModelConfig(Strict):
         return v
 
 
+def port_number(text: str) -> int:
+    """A `--port` flag's value: 0 (any free port) to 65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give a number from 0 to 65535")
+    return int(text)
+
+
+def valid_schema(v: dict | None) -> dict | None:
+    """A JSON schema field's value, or ValueError saying why it is not a schema (a check with an
+    unusable schema would pass everything)."""
+    if v is not None:
+        try:
+            Draft202012Validator.check_schema(v)
+        except SchemaError as e:
+            raise ValueError(f"not a valid JSON schema: {e.message}") from None
+    return v
+
+
 class Checks(Strict):
     json_schema: dict | None = None
     require_tool_args_valid: bool = True
+
+    _schema_is_valid = field_validator("json_schema")(valid_schema)
 
 
 class StabilityConfig(Strict):
@@ -631,12 +654,35 @@ def read_yaml(path: str | os.PathLike) -> object:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(str(p), [f"cannot read file: {e}"]) from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(str(p), [f"(yaml) {where}{problem}"]) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last one
+    silently: a model defined twice would lose its first definition)."""
+
+
+def _unique_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    seen: set[object] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be given again
+            continue
+        key = loader.construct_object(key_node)
+        if not isinstance(key, (str, int, float, bool)):  # a list or a mapping as a key: pydantic names it
+            continue
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in this mapping",
+                                                    key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys)
 
 
 def parse_config(data: object, source: str = "config") -> Config:

@@ -95,3 +95,20 @@ def test_capture_out_check_leaves_an_existing_file_and_creates_none(tmp_path):
     fresh = tmp_path / "new.jsonl"
     dataset.check_writable(fresh)
     assert not fresh.exists()
+
+
+@pytest.mark.parametrize("command", ["serve", "simulate"])
+@pytest.mark.parametrize("port", ["99999", "-1", "80x"])
+def test_a_port_flag_out_of_range_is_refused_naming_it(capsys, config, command, port):
+    with pytest.raises(SystemExit) as exit_:
+        run(capsys, [command, "--config", str(config), "--port", port])
+    assert exit_.value.code == 2
+    assert f"argument --port: '{port}' is not a port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("since", ["nan", "inf", "1e400"])
+def test_capture_refuses_a_since_that_is_no_time(capsys, config, tmp_path, since):
+    code, _, err = run(capsys, ["capture", "--config", str(config), "--url", "http://127.0.0.1:1",
+                                "--out", str(tmp_path / "g.jsonl"), "--since", since])
+    assert code == 2
+    one_error_line(err, f"error: --since: '{since}' is not a time")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.config import ConfigError, load_config
+from service.config import ConfigError, load_config, read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for d in ("examples", "service/demo/configs") for p in (ROOT / d).rglob("*.yaml")
@@ -95,6 +95,8 @@ BROKEN = [
      "routes.support-bot.shadow.judge.mode: Input should be 'pairwise'"),
     ({"routes": {"support-bot": {"stable": "m", "rollout": {"margins": {"judge_preference": -1}}}}},
      "routes.support-bot.rollout.margins.judge_preference:"),
+    ({"routes": {"support-bot": {"stable": "m", "checks": {"json_schema": {"type": "nonsense"}}}}},
+     "routes.support-bot.checks.json_schema: not a valid JSON schema"),
     ({"providers": {"claude": {"base_url": "http://127.0.0.1:1/v1", "api": "anthropic"}},
       "models": {"sonnet": {"provider": "claude", "name": "claude-sonnet"}},
       "routes": {"support-bot": {"stable": "m", "shadow": {"judge": {"model": "sonnet"}}}}},
@@ -119,6 +121,35 @@ def test_check_config_names_the_field(tmp_path, change, expected):
     assert "Traceback" not in result.stderr
     with pytest.raises(ConfigError):
         load_config(path)
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    """YAML keeps the last of two equal keys: a model defined twice would silently lose one."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("providers: {p: {base_url: 'http://127.0.0.1:1/v1'}}\n"
+                    "models:\n  m: {provider: p, name: x}\n  m: {provider: p, name: y}\n"
+                    "routes: {support-bot: {stable: m}}\n")
+    result = check_config(path)
+    assert result.returncode == 1 and "line 4, column 3: key 'm' is given twice" in result.stderr, result.stderr
+    merged = tmp_path / "merged.yaml"  # a merge key's keys may be given again: that is what it is for
+    merged.write_text("base: &p {base_url: 'http://127.0.0.1:1/v1', timeout_s: 5}\n"
+                      "providers: {p: {<<: *p, timeout_s: 9}}\nmodels: {m: {provider: p, name: x}}\n"
+                      "routes: {support-bot: {stable: m}}\n")
+    assert read_yaml(merged)["providers"]["p"]["timeout_s"] == 9
+
+
+def test_check_config_refuses_a_state_dir_serve_could_not_write_without_creating_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "providers": {"p": {"base_url": "http://127.0.0.1:1/v1"}}, "models": {"m": {"provider": "p", "name": "x"}},
+        "routes": {"support-bot": {"stable": "m"}}, "state_dir": str(blocker / "state")}))
+    result = check_config(path)
+    assert result.returncode == 1 and "state_dir: cannot create or write the directory" in result.stderr, result.stderr
+    fine = tmp_path / "fine.yaml"
+    fine.write_text(path.read_text().replace(str(blocker / "state"), str(tmp_path / "new" / "state")))
+    assert check_config(fine).returncode == 0 and not (tmp_path / "new").exists()
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -42,15 +43,20 @@ def parse_time(flag: str, text: str | None, now: float | None = None) -> float |
         return None
     if m := _DURATION.fullmatch(text.strip()):
         return (time.time() if now is None else now) - float(m.group(1)) * _UNIT_S[m.group(2)]
+    not_a_time = ValueError(f"{flag}: {text!r} is not a time: give unix seconds, an ISO 8601 time "
+                            f"(2025-01-31T12:00:00Z) or an age (90m, 2h, 7d)")
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):  # nan, inf, 1e400
+            raise not_a_time
+        return seconds
     try:
         t = datetime.fromisoformat(text)
     except ValueError:
-        raise ValueError(f"{flag}: {text!r} is not a time: give unix seconds, an ISO 8601 time "
-                         f"(2025-01-31T12:00:00Z) or an age (90m, 2h, 7d)") from None
+        raise not_a_time from None
     return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
 
 

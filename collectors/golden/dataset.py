@@ -24,11 +24,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from service.config import ConfigError, check_regex, validated
+from service.config import ConfigError, check_regex, valid_schema, validated
 from service.records import PrimaryResult
 
 SCHEMA = "modelcanary.case/v1"
@@ -58,15 +56,7 @@ class CaseChecks(Strict):
     json_schema: dict | None = None
     tool_call: ToolCallCheck | None = None
 
-    @field_validator("json_schema")
-    @classmethod
-    def _schema_is_valid(cls, v: dict | None) -> dict | None:
-        if v is not None:
-            try:
-                Draft202012Validator.check_schema(v)
-            except SchemaError as e:
-                raise ValueError(f"not a valid JSON schema: {e.message}") from None
-        return v
+    _schema_is_valid = field_validator("json_schema")(valid_schema)
 
     @property
     def kinds(self) -> list[str]:

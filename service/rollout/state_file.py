@@ -22,8 +22,15 @@ from service.records import RolloutState
 log = logging.getLogger("modelcanary.rollout")
 
 
-def state_dir_problem(directory: Path) -> str | None:
-    """Why the rollout state can't be written in `directory` (created when missing), or None."""
+def state_dir_problem(directory: Path, create: bool = True) -> str | None:
+    """Why the rollout state can't be written in `directory` (created when missing), or None; with
+    `create` False, judged without touching the disk (`check-config`)."""
+    if not create:
+        existing = next(p for p in (directory, *directory.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            why = "not a directory" if not existing.is_dir() else "not writable"
+            return f"cannot create or write the directory {str(directory)!r}: {str(existing)!r} is {why}"
+        return None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.config import ConfigError
+from service.config import ConfigError, port_number
 from service.simulator.config import load_simulator_config
 from service.simulator.server import serve
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description="OpenAI-compatible simulated LLMs (DESIGN §8b).")
     parser.add_argument("--config", required=True, help="simulator YAML file")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=9001, help="0 picks a free port (printed on start)")
+    parser.add_argument("--port", type=port_number, default=9001, help="0 picks a free port (printed on start)")
     args = parser.parse_args(argv)
     try:
         return run(args.config, args.host, args.port)
