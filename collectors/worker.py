@@ -261,7 +261,8 @@ def end_span(call: ShadowCall, body: dict, fmt: ApiFormat) -> None:
                 output_tokens=call.output_tokens,
                 finish_reasons=[c.get("finish_reason") for c in response.get("choices") or ()
                                 if isinstance(c, dict) and c.get("finish_reason")],
-                cause=call.verdict.cause, prompt=fmt.view(body).get("messages"), completion=response.get("choices"))
+                cause=None if call.verdict.ok else call.verdict.cause,  # max_tokens: completed, no error
+                prompt=fmt.view(body).get("messages"), completion=response.get("choices"))
 
 
 # ---- the worker ----------------------------------------------------------------------------------

@@ -330,6 +330,7 @@ def stack_config(sim_url: str, otlp_url: str, tmp_path, capture_content: bool = 
                          "shadow": {**shadow, "judge": {"model": "judge-m"}, "stability": {"sample_rate": 1.0, "k": 3}}},
             "judged-2-r": {"stable": "stable-m", "candidates": ["candidate-m", "other-m"], "rollout": {"scope": "segment"},
                            "shadow": {**shadow, "judge": {"model": "judge-m"}, "stability": {"sample_rate": 1.0, "k": 3}}},
+            "capped-r": {"stable": "stable-m", "candidate": "candidate-m", "shadow": shadow},
         },
         "tracing": {"otlp_endpoint": otlp_url, "capture_content": capture_content},
         "state_dir": str(tmp_path / "state"),
@@ -340,6 +341,7 @@ REQUESTS: dict[str, tuple[str, dict, dict]] = {  # route -> (path, body, extra h
     "chat-r": ("/v1/chat/completions", {"messages": [{"role": "system", "content": SYSTEM_TEXT},
                                                      {"role": "user", "content": USER_TEXT}]}, {}),
     "resp-r": ("/v1/responses", {"instructions": SYSTEM_TEXT, "input": USER_TEXT}, {}),
+    "capped-r": ("/v1/chat/completions", {"messages": [{"role": "user", "content": USER_TEXT}], "max_tokens": 2}, {}),
     "claude-r": ("/v1/messages", {"system": SYSTEM_TEXT, "max_tokens": 200,
                                   "messages": [{"role": "user", "content": USER_TEXT}]},
                  {"anthropic-version": "2023-06-01"}),
@@ -446,6 +448,17 @@ def test_content_is_recorded_alike_for_every_api(sim, receiver, tmp_path):
         recorded[route] = [content(live)] + [(m, bool(text)) for m, text in map(content, shadow)]
         expected[route] = [(conversation, answer_text(route, answers[route]))] + [(conversation, True)] * 2
     assert recorded == expected
+
+
+def test_an_answer_at_the_clients_own_cap_is_no_error_in_traces(sim, receiver, tmp_path):
+    """`max_tokens` is a completed outcome (the client's cap, outside every failure rate): its spans,
+    live and shadow, carry the `length` finish and no `error.type`, as its metrics count no failure."""
+    through_the_stack(stack_config(sim.url, receiver.url, tmp_path), ["capped-r"], {})
+    receiver.wait_spans(3)  # live, the candidate, the stable asked again
+    live, shadow = spans_of(receiver, "capped-r")
+    for span in (live, *shadow):
+        assert "error.type" not in attrs(span) and span.status.code != Status.STATUS_CODE_ERROR, attrs(span)
+        assert list(attrs(span)["gen_ai.response.finish_reasons"]) == ["length"]
 
 
 def test_client_tracestate_is_carried_on(sim, receiver, tmp_path):

@@ -172,7 +172,8 @@ class Recorder:
         if call.span is not None:  # its content as chat views, whatever the API
             call.span.finish(response_model=(call.response or {}).get("model"), input_tokens=input_tokens,
                              output_tokens=output_tokens, finish_reasons=call.finish_reasons,
-                             cause=verdict.cause, prompt=(call.view or call.request or {}).get("messages"),
+                             cause=None if verdict.ok else verdict.cause,  # max_tokens: completed, no error
+                             prompt=(call.view or call.request or {}).get("messages"),
                              completion=(call.chat or call.response or {}).get("choices"))
         if (role == "stable" and verdict.ok and not call.no_shadow and call.request is not None
                 and route in self.config.routes and self._judging(route, call.segment)
