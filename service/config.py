@@ -512,7 +512,7 @@ class Config(Strict):
             raise ConfigProblems(problems)
         return self
 
-    def _provider_apis(self, stable: str, candidate: str) -> str | None:
+    def mixed_apis(self, stable: str, candidate: str) -> str | None:
         """Why a route's stable and candidate can't share it (their providers speak different APIs), or None."""
         apis = [p.api if (p := self.providers.get(self.models[m].provider)) else None for m in (stable, candidate)]
         if None in apis or apis[0] == apis[1]:
@@ -541,7 +541,7 @@ def _candidate_problems(name: str, route: RouteConfig, config: Config) -> list[t
             problems.append((where, "must differ from stable"))
         elif key in route.candidates[:i]:
             problems.append((where, f"{key!r} is listed twice"))
-        elif route.stable in config.models and (apis := config._provider_apis(route.stable, key)):
+        elif route.stable in config.models and (apis := config.mixed_apis(route.stable, key)):
             problems.append((where, apis))
     rollout = route.rollout
     if len(route.candidates) > 1 and rollout.scope == "route":

@@ -468,6 +468,12 @@ def test_a_malformed_dataset_is_refused_naming_the_line_and_field(tmp_path, caps
     code, _, err = in_process(capsys, ["replay", str(ok), "--candidate", "candidate-m", "--config", str(config),
                                        "--repeats", "0"])
     assert code == 2 and "--repeats: must be 1 (no stability) to 10" in err
+    mixed = proxy_config("http://127.0.0.1:9")
+    mixed["providers"]["claude"] = {"base_url": "http://127.0.0.1:9/v1", "api": "anthropic"}
+    mixed["models"]["claude-m"] = {"provider": "claude", "name": "claude"}
+    code, _, err = in_process(capsys, ["replay", str(ok), "--candidate", "claude-m", "--config",
+                                       str(write_yaml(tmp_path / "mixed.yaml", mixed))])
+    assert code == 2 and "--candidate: route 'support-bot': stable 'stable-m' is served by an api: openai" in err, err
     code, _, err = in_process(capsys, ["dataset", "stats", str(path)])
     assert code == 2 and "line 3" in err
 

@@ -133,6 +133,8 @@ def replay_config(config: Config, routes: set[str], candidate: str, stable: str 
     out = {}
     for route in routes:
         rc = config.routes[route]
+        if (why := config.mixed_apis(stable or rc.stable, candidate)) is not None:
+            raise ReplayInputError(f"--candidate: route {route!r}: {why}")
         stability = rc.shadow.stability
         if repeats is not None:
             stability = stability.model_copy(update={"sample_rate": 1.0 if repeats >= 2 else 0.0,
