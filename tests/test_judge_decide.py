@@ -327,6 +327,40 @@ def test_the_forecast_says_when_more_data_cannot_show_non_inferiority():
         j.decision.reasons
 
 
+def test_an_arm_of_one_session_gives_no_forecast_and_no_verdict_from_its_count():
+    """A sticky client sent every canary request of a segment in one session: its clustered variance
+    is infinite, so that part says nothing, and the forecast says there is nothing to forecast from
+    yet (it said "cannot be shown at the current effect: widen the margin")."""
+    cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
+    state, rc, ev, now = _last_step(cfg)
+    _exact(ev, "stable", "chat", 4000, 0.97, ts=now - 300)
+    _exact(ev, "canary", "chat", 4000, 0.97, ts=now - 300)
+    _exact(ev, "stable", "json", 400, 0.97, ts=now - 300)
+    for i in range(400):
+        ev.add_outcome(outcome("canary", "json", i % 33 != 0, ts=now - 300).model_copy(
+            update={"session_id_hash": "one-long-session"}))
+    j = judge(state, rc, ev, now)
+    comp = next(c for c in j.comparisons if (c.spec.name, c.segment) == ("completion_rate", "json"))
+    assert comp.verdict_name == "inconclusive"
+    reason = next(r for r in j.decision.reasons if r.startswith("segment json: completion rate"))
+    assert reason.endswith("no forecast yet: an arm has too few samples or sessions for an interval"), reason
+
+
+def test_observations_of_a_part_without_weight_do_not_make_up_the_30_a_verdict_needs():
+    """The live part of one session carries no weight, so the comparison rests on 12 shadow pairs:
+    too few for a verdict (it rolled back, its 60 live requests counted towards the 30)."""
+    cfg = make_config(rollout={"steps": [5, 50]})
+    now = time.time()
+    state, rc, ev = _setup(cfg, since=now - 600)
+    _exact(ev, "stable", "tools", 2000, 0.97, ts=now - 30)
+    for _ in range(60):
+        ev.add_outcome(outcome("canary", "tools", True, ts=now - 30).model_copy(update={"session_id_hash": "one"}))
+    for _ in range(12):
+        ev.add_evaluation(evaluation("tools", False, ts=now - 30, cause="refusal"))
+    comp = next(c for c in evaluate(ev, rc) if (c.spec.name, c.segment) == ("completion_rate", "tools"))
+    assert comp.n == 12 and comp.verdict_name != "worse", (comp.n, comp.verdict_name, comp.interval)
+
+
 def _agreement(ev, n: int, ts: float) -> None:
     """n shadow records of chat: the candidate agrees with the stable 93 % of the time, the noise floor
     95 % (a fixed cycle of 100, so the estimate stays put at multiples of 100)."""

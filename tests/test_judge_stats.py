@@ -416,3 +416,19 @@ def test_sources_are_combined_by_inverse_variance():
     assert e.n_candidate[0] == 1400
     empty = stats.Estimate(*(np.array([x]) for x in (np.nan, np.nan, np.nan, np.inf, 0, 0)))
     assert stats.combine_estimates([a, empty]).effect[0] == pytest.approx(-0.01)
+
+
+@pytest.mark.parametrize("latency", [0.05, 0.3, 1.05, 1.5, 2.25, 4.0])
+def test_values_that_do_not_vary_have_the_sessions_factor_only(latency):
+    """Σ(y − ȳ)² and the clustered sum are both 0 for equal values: as the evidence adds them up, in
+    floats, both are rounding, and their ratio is no design effect (it reached 130 at 1.05 s)."""
+    from service.judge.comparisons import LATENCY_EDGES
+    from service.judge.evidence import _S_WIDTH, ArmAcc
+
+    arm, sessions = ArmAcc(), {}
+    for i in range(2000):  # 100 sessions of 20 requests, every one as fast as the others
+        arm.add_request(sessions.setdefault(i // 20, [0.0] * _S_WIDTH), "completed", None, None, latency, 0.001)
+    x = arm.vector()[ArmAcc.FIELDS["latency"]][None, None, :]
+    first = len(LATENCY_EDGES) - 1  # the histogram's bins come first
+    deff = float(stats.mean_design_effect(*(x[..., first + i] for i in range(6))).ravel()[0])
+    assert deff == pytest.approx(100 / 99)

@@ -274,7 +274,7 @@ def _comparisons(plan: _Plan, segments: list[str], rows: np.ndarray, combined: s
         effect, lo_r, hi_r = c["effect"][j], lo_l[j], hi_l[j]
         ratio = spec.unit == "ratio"
         if ratio:
-            effect, lo_r, hi_r = math.exp(effect), math.exp(lo_r), math.exp(min(hi_r, 700.0))
+            effect, lo_r, hi_r = math.exp(effect), math.exp(lo_r), math.exp(hi_r) if hi_r < 700.0 else math.inf
         parts: tuple[dict, ...] = tuple({"source": _part_source(part),
                        "effect": _f(math.exp(p["effect"][j]) if ratio else p["effect"][j]),
                        "n": int(p["n_candidate"][j]), "n_stable": int(p["n_stable"][j])}

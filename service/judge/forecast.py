@@ -10,7 +10,9 @@ unit (catalog.sample_unit), and `eta_s` = the same over the information per seco
 a window at least RATE_MIN_AGE_S old with a candidate record in the last RATE_QUIET_S: otherwise
 `eta_s` is None and `no_eta` says why. When θ̂ itself is on the wrong side of the margin no
 amount of data shows non-inferiority at that effect: `needed_n` is None, and the user's choices
-are a wider margin or a better candidate. The forecast assumes the effect stays where it is; the estimate moves as data
+are a wider margin or a better candidate. Without an estimate's variance yet (an arm of one session,
+whose clustered variance is infinite) there is nothing to forecast from: `needed_n` and `eta_s` are
+None and `no_eta` says so. The forecast assumes the effect stays where it is; the estimate moves as data
 come in, so the forecast does too.
 """
 
@@ -27,11 +29,14 @@ RATE_MIN_AGE_S = 10.0   # a younger window (a step, a resume just now) gives no 
 RATE_QUIET_S = 60.0     # nor one without a candidate record for this long (no traffic)
 
 
+NO_ESTIMATE = "no forecast yet: an arm has too few samples or sessions for an interval"
+
+
 @dataclass(frozen=True, slots=True)
 class Forecast:
     needed_n: int | None     # more observations in the comparison's unit (sample_unit); None: not at this effect
     eta_s: float | None      # how long at the current traffic; None when unknown or not reachable
-    no_eta: str | None = None  # why eta_s is None while needed_n is known
+    no_eta: str | None = None  # why eta_s is None (NO_ESTIMATE: and needed_n, as there is no estimate yet)
 
 
 def rate_gap(age_s: float, quiet_s: float) -> str | None:
@@ -59,8 +64,10 @@ def forecast(effect: np.ndarray, var: np.ndarray, bound: np.ndarray, above: np.n
         needed = more / per_sample
         eta = np.where(n_now > 0, more / (info_now / age_s), np.nan) if gap is None else np.full(len(more), np.nan)
     out = []
-    for d, n, e in zip(distance, needed, eta):
-        if not (np.isfinite(d) and d > 0 and np.isfinite(n)):
+    for d, v, n, e in zip(distance, var, needed, eta):
+        if not np.isfinite(v):  # no estimate's variance to grow from (an arm of one session, no samples)
+            out.append(Forecast(None, None, NO_ESTIMATE))
+        elif not (np.isfinite(d) and d > 0 and np.isfinite(n)):
             out.append(Forecast(None, None))
         elif np.isfinite(e):
             out.append(Forecast(int(math.ceil(n)), float(e)))
@@ -95,6 +102,8 @@ def duration_text(s: float) -> str:
 def describe(where: str, label: str, f: Forecast, unit: str, effect_text: str, margin_text: str) -> str:
     """'segment tools: completion rate non-inferiority needs ~11k more canary samples (~1 h 50 min at
     current traffic)', in the comparison's own `unit`."""
+    if f.needed_n is None and f.no_eta is not None:
+        return f"{where}: {label} non-inferiority: {f.no_eta}"
     if f.needed_n is None:
         return (f"{where}: {label} non-inferiority cannot be shown at the current effect ({effect_text}, "
                 f"margin {margin_text}): widen the margin or fix the candidate")

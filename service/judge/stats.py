@@ -198,8 +198,8 @@ def combine_estimates(parts: list[Estimate], log_values: bool | np.ndarray = Fal
 
     The arms' values are averaged with the same weights (their logs where `log_values`, a bool or
     one per element: ratio estimates, whose `stable`/`candidate` are not logged), so effect ==
-    candidate − stable still holds. A part without data (infinite variance) gets no weight; counts
-    add up.
+    candidate − stable still holds. A part without data (infinite variance) gets no weight, and its
+    observations do not count: the counts are those of the parts used.
     """
     if len(parts) == 1:
         return parts[0]
@@ -227,8 +227,8 @@ def combine_estimates(parts: list[Estimate], log_values: bool | np.ndarray = Fal
         stable=np.where(empty, nan, stable), candidate=np.where(empty, nan, candidate),
         effect=np.where(empty, nan, effect), var=np.where(empty, np.inf, out_var),
         # two parts or more here: the sums are arrays, never sum()'s start 0
-        n_stable=cast(np.ndarray, sum(np.asarray(p.n_stable) for p in parts)).astype(np.int64),
-        n_candidate=cast(np.ndarray, sum(np.asarray(p.n_candidate) for p in parts)).astype(np.int64),
+        n_stable=cast(np.ndarray, sum(np.where(u, p.n_stable, 0) for p, u in zip(parts, used))).astype(np.int64),
+        n_candidate=cast(np.ndarray, sum(np.where(u, p.n_candidate, 0) for p, u in zip(parts, used))).astype(np.int64),
     )
 
 
@@ -263,6 +263,9 @@ def cluster_design_effect(n: np.ndarray, x: np.ndarray, nn: np.ndarray, xn: np.n
     return out
 
 
+DEFF_MIN_SPREAD = 1e-9  # Σ(y − ȳ)² below this share of Σy²: no spread to measure a design effect on
+
+
 def mean_design_effect(n: np.ndarray, sy: np.ndarray, syy: np.ndarray, yy: np.ndarray, yn: np.ndarray,
                        nn: np.ndarray) -> np.ndarray:
     """The same for a mean of values y: Σ_j (Y_j − ȳ N_j)² / Σ (y − ȳ)², per arm (≥ 1), times `few_sessions`.
@@ -276,7 +279,9 @@ def mean_design_effect(n: np.ndarray, sy: np.ndarray, syy: np.ndarray, yy: np.nd
         clustered = YY - 2.0 * m * YN + m * m * NN
         iid = SYY - N * m * m
         deff = clustered / iid
-    out: np.ndarray = np.where((iid > 0) & np.isfinite(deff), np.maximum(deff, 1.0), 1.0) * few_sessions(N, NN)
+    # values (all but) equal: both sums are float rounding of Σy² − N ȳ², and so is their ratio
+    spread = iid > DEFF_MIN_SPREAD * np.abs(SYY)
+    out: np.ndarray = np.where(spread & np.isfinite(deff), np.maximum(deff, 1.0), 1.0) * few_sessions(N, NN)
     return out
 
 
