@@ -73,6 +73,15 @@ async def get(origin: Origin, body: bytes = b"{}", timeout_s: float = 5.0, strea
                                 timeout_s, stream)
 
 
+async def fails_as(handler: Handler, detail: str) -> None:
+    """A call answered by `handler` fails, not for lack of time, with `detail` in its reason."""
+    async with Server(handler) as server:
+        with pytest.raises(HTTPFailure) as failure:
+            conn = await get(Origin(server.url, 5))
+            await conn.read()
+    assert not failure.value.timeout and detail in failure.value.detail, failure.value.detail
+
+
 def test_calls_reuse_one_connection_and_send_a_well_formed_request():
     async def go():
         box: list[Server] = []
@@ -249,12 +258,7 @@ def test_broken_answers_are_connection_errors():
             await read_request(reader)
 
         for handler, where in ((cut_short, "mid-body"), (garbage, "malformed"), (hang_up, "before answering")):
-            async with Server(handler) as server:
-                origin = Origin(server.url, 5)
-                with pytest.raises(HTTPFailure) as failure:
-                    conn = await get(origin)
-                    await conn.read()
-                assert not failure.value.timeout and where in failure.value.detail, failure.value.detail
+            await fails_as(handler, where)
 
         closed = Origin("http://127.0.0.1:1/v1", 5)
         with pytest.raises(HTTPFailure) as failure:
@@ -397,12 +401,7 @@ def test_a_reset_or_a_gzip_stream_cut_short_is_not_a_whole_body():
 
         for handler, where in ((reset_mid_body, "mid-body"), (gzip_with_length_cut, "does not decode"),
                                (gzip_until_close_cut, "does not decode")):
-            async with Server(handler) as server:
-                origin = Origin(server.url, 5)
-                with pytest.raises(HTTPFailure) as failure:
-                    conn = await get(origin)
-                    await conn.read()
-                assert not failure.value.timeout and where in failure.value.detail, failure.value.detail
+            await fails_as(handler, where)
 
         box: list[Server] = []
         empty = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 0\r\n\r\n"

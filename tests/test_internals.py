@@ -137,15 +137,23 @@ async def hello(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def exchange(raw: bytes) -> tuple[bytes, GuardedHttpToolsProtocol]:
-    """`raw` into the guarded protocol over a real socket pair, as uvicorn builds it; what comes back."""
+async def connected(app) -> tuple[GuardedHttpToolsProtocol, socket.socket]:
+    """The guarded protocol serving `app` on one end of a real socket pair, as uvicorn builds it, and
+    the client's end."""
     loop = asyncio.get_running_loop()
-    protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(hello, log_level="warning"),
+    protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(app, log_level="warning"),
                                         server_state=ServerState(), app_state={}, _loop=loop)
     ours, theirs = socket.socketpair()
     theirs.setblocking(False)
     await loop.connect_accepted_socket(lambda: protocol, ours)
     assert protocol.loop is loop and protocol.transport is not None
+    return protocol, theirs
+
+
+async def exchange(raw: bytes) -> tuple[bytes, GuardedHttpToolsProtocol]:
+    """`raw` into the guarded protocol over a real socket pair; what comes back."""
+    loop = asyncio.get_running_loop()
+    protocol, theirs = await connected(hello)
     await loop.sock_sendall(theirs, raw)
     data = b""
     try:
@@ -175,11 +183,7 @@ def test_one_header_longer_than_the_head_limit_is_refused_while_it_comes():
     so a client can't make the proxy hold (and re-join) megabytes of it."""
     async def go():
         loop = asyncio.get_running_loop()
-        protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(hello, log_level="warning"),
-                                            server_state=ServerState(), app_state={}, _loop=loop)
-        ours, theirs = socket.socketpair()
-        theirs.setblocking(False)
-        await loop.connect_accepted_socket(lambda: protocol, ours)
+        protocol, theirs = await connected(hello)
         await loop.sock_sendall(theirs, b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
         sent = 0
         while not protocol._refused and sent < 10 * protocol.max_head_bytes:
@@ -201,11 +205,7 @@ def test_a_refused_request_waits_for_the_answers_pipelined_before_it():
 
     async def go():
         loop = asyncio.get_running_loop()
-        protocol = GuardedHttpToolsProtocol(config=uvicorn.Config(slow, log_level="warning"),
-                                            server_state=ServerState(), app_state={}, _loop=loop)
-        ours, theirs = socket.socketpair()
-        theirs.setblocking(False)
-        await loop.connect_accepted_socket(lambda: protocol, ours)
+        _, theirs = await connected(slow)
         await loop.sock_sendall(theirs, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"
                                         b"GET /c HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
         data = b""
