@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -215,6 +216,17 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
     return main_push(args.grafana_url, args.token) or 0
 
 
+def seconds(text: str) -> float:
+    """A `--duration`: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: give a number of seconds above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelcanary", description="Canary and shadow rollouts for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -241,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("demo", help="everything embedded + simulator + traffic + live view")
-    p.add_argument("--duration", type=float, default=None,
+    p.add_argument("--duration", type=seconds, default=None,
                    help="seconds of traffic, then a summary (default: until the rollout ends, at most 180 s)")
     p.add_argument("--good-candidate", action="store_true",
                    help="one rollout for the whole route, of a candidate that deserves promotion")

@@ -198,7 +198,7 @@ def test_unknown_routes_methods_and_malformed_http(stack):
     openai_error(body)
 
 
-def test_a_405_says_which_methods_are_allowed(stack):
+def test_a_405_says_which_methods_are_allowed_and_health_answers_head(stack):
     proxy, _ = stack
     conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
     try:
@@ -206,6 +206,10 @@ def test_a_405_says_which_methods_are_allowed(stack):
         response = conn.getresponse()
         openai_error(response.read())
         assert response.status == 405 and "GET" in response.headers["allow"]
+        for path in ("/healthz", "/readyz"):  # HEAD, as some load balancers probe
+            conn.request("HEAD", path)
+            response = conn.getresponse()
+            assert response.status == 200 and response.read() == b""
     finally:
         conn.close()
 

@@ -112,3 +112,11 @@ def test_capture_refuses_a_since_that_is_no_time(capsys, config, tmp_path, since
                                 "--out", str(tmp_path / "g.jsonl"), "--since", since])
     assert code == 2
     one_error_line(err, f"error: --since: '{since}' is not a time")
+
+
+@pytest.mark.parametrize("duration", ["-5", "0", "nan", "soon"])
+def test_a_demo_duration_that_is_no_time_is_refused_naming_it(capsys, duration):
+    with pytest.raises(SystemExit) as exit_:
+        run(capsys, ["demo", "--duration", duration])
+    assert exit_.value.code == 2
+    assert f"argument --duration: '{duration}' is not a duration" in capsys.readouterr().err

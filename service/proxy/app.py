@@ -274,11 +274,11 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
     async def feedback(request: Request) -> Response:
         return await _feedback(runtime, request)
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: what some load balancers probe with
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz")
+    @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz() -> JSONResponse:
         if proxy.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
