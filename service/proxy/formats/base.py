@@ -139,6 +139,12 @@ def estimated_usage(view: dict, output_chars: int) -> Usage:
                  estimate_tokens(output_chars))
 
 
+def untold_usage(view: dict, response: dict | None, chat: dict | None) -> Usage:
+    """The usage of an answer that did not tell its own (`chat`: its chat view), estimated from the
+    text; none without an answer (an upstream that refused or never answered bills none we know of)."""
+    return Usage(0, 0) if response is None else estimated_usage(view, chat_output_chars(chat))
+
+
 def chat_output_chars(chat: dict | None) -> int:
     """Characters of text and tool arguments in a chat view's first choice."""
     try:

@@ -124,9 +124,7 @@ class MessagesFormat:
             return base.Usage(base.token_count(usage["input_tokens"]), base.token_count(usage.get("output_tokens")),
                               cache_read=base.token_count(usage.get("cache_read_input_tokens")),
                               cache_write=base.token_count(usage.get("cache_creation_input_tokens")))
-        if response is None:
-            return base.Usage(0, 0)
-        return base.estimated_usage(view, base.chat_output_chars(self.chat_view(response)))
+        return base.untold_usage(view, response, self.chat_view(response))
 
     def reassemble(self, raw: bytes) -> base.Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per event type
         message: dict | None = None

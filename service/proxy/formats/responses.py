@@ -138,9 +138,7 @@ class ResponsesFormat:
             total = base.token_count(usage["input_tokens"])
             return base.Usage(max(0, total - cached), base.token_count(usage.get("output_tokens")),
                               cache_read=min(cached, total))
-        if response is None:
-            return base.Usage(0, 0)
-        return base.estimated_usage(view, base.chat_output_chars(self.chat_view(response)))
+        return base.untold_usage(view, response, self.chat_view(response))
 
     def reassemble(self, raw: bytes) -> base.Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per event type
         final: dict | None = None
