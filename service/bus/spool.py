@@ -64,7 +64,6 @@ class _Segment:
         return self.path.with_suffix(".pos")
 
 
-
 def encode_line(topic: str, key: str, value: bytes) -> bytes:
     return b"%s\t%s\t%s\n" % (topic.encode(), json.dumps(key).encode(), value)
 

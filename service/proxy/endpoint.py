@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from service.proxy.chat import BadRequest, Proxy, _json_or_none, header_map
 from service.proxy.formats import ApiFormat
-from service.proxy.formats.base import chat_output_chars, estimated_usage
+from service.proxy.formats.base import untold_usage
 from service.proxy.outcome import COMPLETED, Verdict, failed
 from service.proxy.owners import ResponseOwners
 from service.proxy.recorder import Call
@@ -188,6 +188,6 @@ class FormatEndpoint:
         call.response = result.response
         chat = self.fmt.chat_view(result.response)
         told = self.fmt.usage(view, result.response)
-        call.usage = replace(told, output=max(told.output, estimated_usage(view, chat_output_chars(chat)).output))
+        call.usage = replace(told, output=max(told.output, untold_usage(view, result.response, chat).output))
         if call.span is not None:
             call.chat = chat
