@@ -141,8 +141,10 @@ class ShadowClient:
         self.lag = LoopLag()
 
     async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None,
-                   link_traceparent: str | None = None, finish_span: bool = True, share: str | None = None) -> ShadowCall:
-        """One shadow call. With `finish_span=False` the caller ends the span (`end_span`), so that
+                   link_traceparent: str | None = None, finish_span: bool = True, share: str | None = None,
+                   client_headers: dict[str, str] | None = None) -> ShadowCall:
+        """One shadow call; a Messages request carries the `client_headers` its client sent with it
+        (anthropic-version, anthropic-beta: the API features the request relies on). With `finish_span=False` the caller ends the span (`end_span`), so that
         evaluation results can be added to it first. Raises OverBudget, before calling, when the
         route's `shadow.max_usd_per_hour` is spent, or the share of it of the candidate `share`
         (the one whose evaluation this call is for, on a route with several)."""
@@ -157,6 +159,8 @@ class ShadowClient:
         asked = fmt.model_body(body, model)  # the model's own settings, as live calls get them
         data = json.dumps(shadow_body(asked, model.name, fmt), separators=(",", ":"), ensure_ascii=False).encode()
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if client_headers and fmt.name == "messages":
+            headers.update(client_headers)
         auth = provider.auth_header(None)  # the provider's own key; shadow calls never carry a client's
         if auth:
             headers["Authorization"] = auth
@@ -237,17 +241,19 @@ class ShadowClient:
 
 class RecordCaller:
     """The client as the evaluators of one candidate's record see it: their calls' spans link to the
-    live call's, and on a route with several candidates they are paid from `share`, that candidate's
-    share of the route's shadow budget."""
+    live call's, on a route with several candidates they are paid from `share`, that candidate's
+    share of the route's shadow budget, and they repeat the live request's `client_headers`."""
 
-    def __init__(self, client: ShadowClient, link_traceparent: str | None, share: str | None):
+    def __init__(self, client: ShadowClient, link_traceparent: str | None, share: str | None,
+                 client_headers: dict[str, str] | None):
         self.client = client
         self.link_traceparent = link_traceparent
         self.share = share
+        self.client_headers = client_headers
 
     async def call(self, route: str, model_key: str, body: dict, checks: Checks | None = None) -> ShadowCall:
         return await self.client.call(route, model_key, body, checks, link_traceparent=self.link_traceparent,
-                                      share=self.share)
+                                      share=self.share, client_headers=self.client_headers)
 
 
 def end_span(call: ShadowCall, body: dict, fmt: ApiFormat) -> None:
@@ -426,7 +432,8 @@ class ShadowWorker:
         rc = config.routes[route]
         stable_key = event.primary.model if event.primary.model in config.models else rc.stable
         again_task = asyncio.ensure_future(
-            self.client.call(route, stable_key, event.request, link_traceparent=event.traceparent)
+            self.client.call(route, stable_key, event.request, link_traceparent=event.traceparent,
+                             client_headers=event.headers)
         ) if rc.shadow.noise_floor else None
         try:
             done = await asyncio.gather(*(self._one(event, key, stable_key, again_task) for key in rc.candidates),
@@ -453,7 +460,7 @@ class ShadowWorker:
         candidate: ShadowCall | None = None
         try:
             candidate = await self.client.call(event.route, candidate_key, request, link_traceparent=event.traceparent,
-                                               finish_span=False, share=candidate_key)
+                                               finish_span=False, share=candidate_key, client_headers=event.headers)
             stable_again = await asyncio.shield(again_task) if again_task is not None else None
             return await self._score(event, stable_key, candidate, stable_again)
         finally:
@@ -469,7 +476,8 @@ class ShadowWorker:
         request = event.request
         fmt = self.client.format_of(stable_key, request)
         live = fmt.chat_view(event.primary.body)
-        caller = RecordCaller(self.client, event.traceparent, candidate_key if len(rc.candidates) > 1 else None)
+        caller = RecordCaller(self.client, event.traceparent, candidate_key if len(rc.candidates) > 1 else None,
+                              event.headers)
         ctx = EvalContext(config=config, route=route, route_cfg=rc, event=event, request=request, view=fmt.view(request),
                           live=live, candidate=candidate, stable_again=stable_again,
                           caller=caller, embedder=self.embedders.for_route(rc))

@@ -72,6 +72,7 @@ class TrafficEvent(Record):
     primary: PrimaryResult
     config_version: str
     traceparent: str | None = None
+    headers: dict[str, str] | None = None  # the client's headers a shadow call repeats (anthropic-version, -beta)
 
 
 class CandidateResult(Record):

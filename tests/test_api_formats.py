@@ -15,7 +15,15 @@ import anthropic
 import openai
 import pytest
 
-from tests.fixtures.servers import metric_value, proxy_config, scrape, sim_config, start_proxy, start_simulator
+from tests.fixtures.servers import (
+    canned_upstream,
+    metric_value,
+    proxy_config,
+    scrape,
+    sim_config,
+    start_proxy,
+    start_simulator,
+)
 
 TOKEN = "formats-admin-token"
 ENV = {"MODELCANARY_ADMIN_TOKEN": TOKEN, "OPENAI_AGENTS_DISABLE_TRACING": "1"}
@@ -296,6 +304,31 @@ def test_anthropic_messages_stream_relays_named_events(stack):
     _assert_recorded(proxy, "claude-stream", "chat", 1, "candidate-a")
     _assert_recorded(proxy, "claude-stream", "tools", 1, "candidate-a")
     assert _metric(proxy, "modelcanary_time_to_first_token_seconds_count", route="claude-stream") == 2
+
+
+def test_shadow_calls_of_a_messages_request_repeat_its_anthropic_headers(tmp_path):
+    """A request that relies on a beta feature (`anthropic-beta`) or pins an API version means
+    something else without them: the candidate and the noise-floor call get what the client sent."""
+    answer = (b'{"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": '
+              b'[{"type": "text", "text": "Hello"}], "stop_reason": "end_turn", "stop_sequence": null, '
+              b'"usage": {"input_tokens": 5, "output_tokens": 2}}')
+    with canned_upstream(answer) as (url, seen):
+        cfg = proxy_config(url)
+        cfg["providers"]["claude"] = {"base_url": url + "/v1", "api": "anthropic", "timeout_s": 5, "max_retries": 0}
+        cfg["models"]["stable-a"] = {"provider": "claude", "name": "claude-stable"}
+        cfg["models"]["candidate-a"] = {"provider": "claude", "name": "claude-candidate"}
+        cfg["routes"] = {"claude-beta": _route("stable-a", "candidate-a")}
+        proxy = start_proxy(tmp_path, cfg)
+        try:
+            client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-client", max_retries=0, timeout=10,
+                                         default_headers={"anthropic-beta": "token-efficient-tools-2025-02-19"})
+            client.messages.create(model="claude-beta", max_tokens=50, messages=[{"role": "user", "content": "Hi"}])
+            assert _wait_for(lambda: len(seen) >= 3)  # live, candidate, stable again (noise floor)
+        finally:
+            proxy.stop()
+    assert [h.get("anthropic-beta") for h in seen] == ["token-efficient-tools-2025-02-19"] * len(seen)
+    assert len({h["anthropic-version"] for h in seen}) == 1  # the SDK's, on every call
+    assert not any("sk-ant-client" in v for h in seen[1:] for v in h.values())  # shadow calls: never the client's key
 
 
 def test_anthropic_prompt_cache_tokens_are_recorded_by_type(stack):

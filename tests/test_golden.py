@@ -17,6 +17,7 @@ import pytest
 
 from collectors.golden import capture as capturing
 from collectors.golden import dataset
+from collectors.golden import replay as replaying
 from collectors.golden.verdicts import against_live, per_segment
 from service.bus.kafka import read_topic
 from service.config import parse_config
@@ -201,6 +202,20 @@ def arguments_of(case_part: dict, *path) -> str:
         value = value[key]  # type: ignore[index]
     assert isinstance(value, str), f"{path}: the arguments are no longer a JSON string: {value!r}"
     return value
+
+
+def test_a_case_keeps_the_anthropic_headers_its_request_came_with_and_replays_them(tmp_path):
+    config = parse_config(proxy_config("http://127.0.0.1:9", shadow={"sample_rate": 1.0}))
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "output-128k-2025-02-19"}
+    live = PrimaryResult(model="stable-m", status=200, body=None, latency_s=0.1, outcome="completed")
+    event = TrafficEvent(request_id="r1", ts=time.time(), route=ROUTE, segment="chat", headers=headers,
+                         request={"model": ROUTE, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]},
+                         primary=live, config_version="v1")
+    path = tmp_path / "set.jsonl"
+    dataset.write(path, capturing.select([event], config).cases)
+    [case] = dataset.load(path)
+    assert case.headers == headers
+    assert replaying._event(case, "stable-m", "v2").headers == headers
 
 
 def test_capture_redacts_credentials_inside_tool_call_arguments_of_requests_and_answers():

@@ -122,4 +122,4 @@ def _case(ev: TrafficEvent, patterns: list[re.Pattern], feedback: Feedback | Non
                          outcome=primary.outcome, cause=primary.cause)
     return Case(request_id=ev.request_id, ts=ev.ts, route=ev.route, segment=ev.segment,
                 fingerprint=fingerprint(ev.route, request), config_version=ev.config_version, request=request,
-                live=live, feedback=feedback)
+                headers=ev.headers, live=live, feedback=feedback)

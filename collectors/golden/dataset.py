@@ -78,6 +78,7 @@ class Case(Strict):
     fingerprint: str | None = None
     config_version: str | None = None
     request: dict
+    headers: dict[str, str] | None = None   # the client's headers a replay repeats (anthropic-version, -beta)
     live: PrimaryResult | None = None       # the stable model's live answer (none for a hand-written case)
     feedback: Feedback | None = None
     checks: CaseChecks | None = None

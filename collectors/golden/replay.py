@@ -159,7 +159,8 @@ def _event(case: Case, stable: str, config_version: str) -> TrafficEvent:
                             latency_s=live.latency_s if live else 0.0, ttft_s=live.ttft_s if live else None,
                             usage=live.usage if live else None, outcome="completed")
     return TrafficEvent(request_id=case.request_id, ts=time.time(), route=case.route, segment=case.segment,
-                        request=case.request, primary=primary, config_version=case.config_version or config_version)
+                        request=case.request, primary=primary, config_version=case.config_version or config_version,
+                        headers=case.headers)
 
 
 def _fresh_reference(record: EvaluationRecord) -> None:

@@ -84,7 +84,8 @@ class FormatEndpoint:
         call = Call(request_id=request_id, route=route, model_key=model_key, role=role, segment=segment,
                     started=started, request=body, session_key=session_key, stream=bool(stream),
                     no_shadow=headers.get("x-modelcanary-no-shadow") == "1",
-                    traceparent=headers.get("traceparent"), stateful=stateful is not None, view=view)
+                    traceparent=headers.get("traceparent"), stateful=stateful is not None, view=view,
+                    headers={k: headers[k] for k in FORWARDED_REQUEST_HEADERS if k in headers} or None)
         call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"),
                                                    f"{headers.get('authorization', '')}|{session_key or ''}", raw)
         model = proxy.config.models[model_key]

@@ -67,6 +67,7 @@ class Call:
     response_id: str | None = None      # the upstream's id for a stored answer (Responses API)
     view: dict | None = None            # the request's chat view, when `request` is another format
     chat: dict | None = None            # the answer's chat view, when `response` is another format (tracing on)
+    headers: dict[str, str] | None = None  # the client's headers its shadow calls repeat (Messages' beta flags)
 
 
 def usage_tokens(call: Call) -> tuple[int, int]:
@@ -197,6 +198,7 @@ class Recorder:
             request_id=call.request_id, ts=time.time(), route=call.route, segment=call.segment, request=request,
             primary=primary, config_version=self.config_version,
             traceparent=call.span.traceparent() if call.span is not None else call.traceparent,
+            headers=call.headers,
         )
 
     # ---- feedback --------------------------------------------------------------------------
