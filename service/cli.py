@@ -55,7 +55,8 @@ def _config_or_exit(path: str, proxy: bool = False) -> Config:
 
 def config_notes(config: Config) -> list[str]:
     """What a valid config does that its author may not expect (said at start, never silent): providers
-    that forward each client's own key upstream, and routes whose shadow phase can never end on its own."""
+    that forward each client's own key upstream, routes whose shadow phase can never end on its own,
+    and candidates whose cost can't be compared with the stable model's (one of the two has no price)."""
     keys = [f"provider {name} {reason}: each client's own Authorization header is forwarded to it"
             for name, provider in config.providers.items() if (reason := provider.forwards_client_key())]
     stuck = [f"route {name}: shadow.sample_rate is 0, so the {rc.rollout.min_shadow_samples} shadow samples of "
@@ -63,7 +64,17 @@ def config_notes(config: Config) -> list[str]:
              "it by hand, or set rollout.min_shadow_samples: 0"
              for name, rc in config.routes.items()
              if rc.candidates and rc.shadow.sample_rate == 0 and rc.rollout.min_shadow_samples > 0]
-    return keys + stuck
+    unpriced = [f"route {name}: {free} has no price and {priced} has one, so the judge can't compare cost per "
+                f"completion (no estimate, it never gates promotion): give models.{free}.price, or neither a price"
+                for name, rc in config.routes.items() for candidate in rc.candidates
+                for free, priced in ((rc.stable, candidate), (candidate, rc.stable))
+                if not _priced(config, free) and _priced(config, priced)]
+    return keys + stuck + unpriced
+
+
+def _priced(config: Config, model: str) -> bool:
+    price = config.models[model].price
+    return price.input_per_mtok > 0 or price.output_per_mtok > 0
 
 
 def _logging(level: str = "INFO") -> None:

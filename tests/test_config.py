@@ -207,6 +207,27 @@ def test_check_config_says_which_rollouts_can_never_leave_shadow_on_their_own(tm
         "rollout.min_shadow_samples: 0"]
 
 
+def test_check_config_says_which_candidates_cost_cant_be_compared(tmp_path):
+    price = {"input_per_mtok": 1.0, "output_per_mtok": 2.0}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "providers": {"p": {"base_url": "http://127.0.0.1:1/v1", "api_key_env": "PATH"}},
+        "models": {"self-hosted": {"provider": "p", "name": "x"}, "self-hosted-2": {"provider": "p", "name": "z"},
+                   "paid": {"provider": "p", "name": "y", "price": price},
+                   "paid-2": {"provider": "p", "name": "w", "price": price}},
+        "routes": {"free-stable": {"stable": "self-hosted", "candidate": "paid"},
+                   "free-candidate": {"stable": "paid", "candidate": "self-hosted"},
+                   "both-priced": {"stable": "paid", "candidate": "paid-2"},
+                   "neither": {"stable": "self-hosted", "candidate": "self-hosted-2"}},
+    }))
+    result = check_config(path)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("note:")] == [
+        f"note: route {route}: {free} has no price and {priced} has one, so the judge can't compare cost per "
+        f"completion (no estimate, it never gates promotion): give models.{free}.price, or neither a price"
+        for route, free, priced in (("free-candidate", "self-hosted", "paid"), ("free-stable", "self-hosted", "paid"))]
+
+
 def test_serve_logs_once_that_the_clients_key_is_forwarded(servers):
     from tests.fixtures.servers import proxy_config
 
