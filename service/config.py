@@ -389,13 +389,31 @@ class TopicRetention(Strict):
     evaluations: float | None = Field(None, gt=0)
 
 
+# The codec libraries kafka-python needs per compression type (kafka.codec's check, the package).
+CODEC_PACKAGES = {"gzip": ("has_gzip", "(standard library)"), "snappy": ("has_snappy", "python-snappy"),
+                  "lz4": ("has_lz4", "lz4"), "zstd": ("has_zstd", "zstandard")}
+
+
 class KafkaConfig(Strict):
     bootstrap_servers: str = "127.0.0.1:9092"
-    topic_prefix: str = "modelcanary"
+    # Kafka's topic name rules (ASCII letters, digits, . _ -; 249 characters with the longest topic's suffix)
+    topic_prefix: str = Field("modelcanary", pattern=r"^[A-Za-z0-9._-]+$", max_length=249 - len(".evaluations"))
     security: KafkaSecurity | None = None
     partitions: int = Field(6, ge=1)
     linger_ms: int = Field(5, ge=0)
     compression_type: Literal["gzip", "lz4", "snappy", "zstd"] | None = "gzip"
+
+    def compression_problem(self) -> str | None:
+        """Why `compression_type` can't be used here: its codec's library is not installed."""
+        if self.compression_type is None:
+            return None
+        from kafka import codec
+
+        check, package = CODEC_PACKAGES[self.compression_type]
+        if getattr(codec, check)():
+            return None
+        return (f"events.kafka.compression_type: {self.compression_type!r} needs the Python package {package!r}, "
+                "which is not installed (or use gzip)")
     # retention.ms of the event topics when the service creates them (null: the broker's default)
     retention_hours: TopicRetention = TopicRetention()
 
@@ -563,12 +581,15 @@ def environment_problems(config: Config, proxy: bool) -> list[str]:
     """What a valid config names in the environment that is missing or unusable ('path: reason'
     lines, never a value); `proxy`: also the client keys, which only the proxy reads."""
     problems = []
-    security = config.events.kafka.security
-    if config.events.backend == "kafka" and security is not None:
-        try:
-            security.resolved()  # `<key>_env` variables must be set
-        except ValueError as e:
-            problems.append(str(e))
+    kafka = config.events.kafka
+    if config.events.backend == "kafka":
+        if kafka.security is not None:
+            try:
+                kafka.security.resolved()  # `<key>_env` variables must be set
+            except ValueError as e:
+                problems.append(str(e))
+        if (codec := kafka.compression_problem()) is not None:
+            problems.append(codec)
     if proxy and (client_keys := client_keys_problem(config.server)) is not None:
         problems.append(client_keys)
     return problems

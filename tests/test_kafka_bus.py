@@ -25,7 +25,7 @@ from service.bus.kafka import (
     read_topic,
 )
 from service.bus.spool import Spool
-from service.config import KafkaConfig, KafkaSecurity, SpoolConfig
+from service.config import ConfigError, KafkaConfig, KafkaSecurity, SpoolConfig, environment_problems, parse_config
 from service.records import (
     Agreement,
     CandidateResult,
@@ -427,6 +427,28 @@ async def test_undecodable_records_are_skipped_and_counted(kafka_broker, tmp_pat
         await bus.close()
 
 
+async def test_a_key_that_is_not_utf8_stops_no_reader_of_the_topic(kafka_broker, tmp_path):
+    from kafka import KafkaProducer
+
+    p = prefix()
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        bus.publish("rollouts", rollout("support-bot", 1))
+        assert await bus.flush(10)
+        producer = KafkaProducer(bootstrap_servers=kafka_broker.bootstrap)  # any client may write to a topic
+        producer.send(f"{p}.rollouts", key=b"\xff\xfe", value=b'{"hello": 1}').get(10)
+        producer.close()
+        assert [v.get("route", v) for v in read_topic(kafka_broker.bootstrap, f"{p}.rollouts")] == [
+            "support-bot", {"hello": 1}]  # what `capture` and leadership read with
+        follower = bus.follow(["rollouts"], ["support-bot"])  # every proxy's rollouts follower
+        got = await collect(follower, 1, 15)
+        assert [(r.route, r.version) for r in got] == [("support-bot", 1)] and follower.caught_up.is_set()
+        await follower.close()
+    finally:
+        await bus.close()
+
+
 async def test_a_record_too_large_for_kafka_is_dropped_and_counted(kafka_broker, tmp_path):
     p, tag = prefix(), "big"
     bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
@@ -751,17 +773,29 @@ def test_the_spool_bound_is_the_bytes_on_disk_also_while_a_segment_is_half_repla
 # ---- config ------------------------------------------------------------------------------------------
 
 
-def test_a_compression_codec_without_its_library_fails_at_start():
+CONFIG_BASE = {"providers": {"p": {"base_url": "http://127.0.0.1:1/v1"}}, "models": {"m": {"provider": "p", "name": "x"}},
+               "routes": {"r": {"stable": "m"}}}
+
+
+def test_a_compression_codec_without_its_library_is_a_config_problem(monkeypatch):
     from kafka import codec
 
-    for name, installed in (("lz4", codec.has_lz4), ("snappy", codec.has_snappy), ("zstd", codec.has_zstd)):
-        if installed():
-            check_compression(name)
-        else:
-            with pytest.raises(ValueError, match=f"compression_type: '{name}' needs the Python package"):
-                check_compression(name)
-    check_compression("gzip")
-    check_compression(None)
+    monkeypatch.setattr(codec, "has_snappy", lambda: False)
+    config = parse_config({**CONFIG_BASE, "events": {"backend": "kafka", "kafka": {"compression_type": "snappy"}}})
+    problem = "events.kafka.compression_type: 'snappy' needs the Python package 'python-snappy', which is not installed"
+    assert [p[:len(problem)] for p in environment_problems(config, proxy=True)] == [problem]  # check-config, serve, collect
+    with pytest.raises(ValueError, match="compression_type: 'snappy' needs the Python package"):
+        check_compression(config.events.kafka)  # a bus built from code
+    gzip = parse_config({**CONFIG_BASE, "events": {"backend": "kafka", "kafka": {"compression_type": "gzip"}}})
+    assert environment_problems(gzip, proxy=True) == []
+    check_compression(gzip.events.kafka)
+
+
+def test_a_topic_prefix_kafka_would_refuse_is_a_config_error():
+    for prefix in ("my team", "a/b", "é", "x" * 240):
+        with pytest.raises(ConfigError, match="events.kafka.topic_prefix"):
+            parse_config({**CONFIG_BASE, "events": {"backend": "kafka", "kafka": {"topic_prefix": prefix}}})
+    parse_config({**CONFIG_BASE, "events": {"backend": "kafka", "kafka": {"topic_prefix": "team-a.prod_1"}}})
 
 
 def test_security_settings_map_to_kafka_python(monkeypatch):

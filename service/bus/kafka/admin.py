@@ -22,21 +22,18 @@ def client_security(security: KafkaSecurity | None) -> dict[str, Any]:
     return {} if security is None else security.resolved()
 
 
-_CODEC_PACKAGES = {"gzip": ("has_gzip", "(standard library)"), "snappy": ("has_snappy", "python-snappy"),
-                   "lz4": ("has_lz4", "lz4"), "zstd": ("has_zstd", "zstandard")}
-
-
-def check_compression(compression_type: str | None) -> None:
+def check_compression(kafka: KafkaConfig) -> None:
     """Fail at start, naming the field, when the codec's library is missing (kafka-python would only
-    fail when the producer is built, and every record would wait in the spool)."""
-    if compression_type is None:
-        return
-    from kafka import codec
+    fail when the producer is built, and every record would wait in the spool). The CLI refuses such
+    a config before (environment_problems); this guards the bus built from code."""
+    if (problem := kafka.compression_problem()) is not None:
+        raise ValueError(problem)
 
-    check, package = _CODEC_PACKAGES[compression_type]
-    if not getattr(codec, check)():
-        raise ValueError(f"events.kafka.compression_type: {compression_type!r} needs the Python package "
-                         f"{package!r}, which is not installed (or use gzip)")
+
+def key_text(key: bytes | None) -> str | None:
+    """A record's key as text. Keys come from any client that can write to the topic: one that is not
+    UTF-8 must not stop whoever reads the topic (it matches no key the service writes)."""
+    return key.decode("utf-8", "replace") if key is not None else None
 
 
 def topic_names(prefix: str) -> dict[Topic, str]:

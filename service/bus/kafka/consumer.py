@@ -18,7 +18,7 @@ from kafka.structs import OffsetAndMetadata
 
 from service import metrics
 from service.bus.base import Topic
-from service.bus.kafka.admin import broker_reachable, build_client, create_missing_topics, describe
+from service.bus.kafka.admin import broker_reachable, build_client, create_missing_topics, describe, key_text
 from service.bus.kafka.internals import finish_join, finish_stalled_join, topic_id
 from service.records import Record, load
 
@@ -458,7 +458,7 @@ def _read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, stop: i
             got += 1
             if stop is not None and message.offset >= stop:
                 return
-            yield message.offset, message.key.decode() if message.key is not None else None, message.value
+            yield message.offset, key_text(message.key), message.value
         if stop is None and got < LATEST_MAX_RECORDS and consumer.position(tp) >= end:
             return
         if got:

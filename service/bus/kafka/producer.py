@@ -96,7 +96,7 @@ class KafkaBus:
         self.kafka = kafka
         self.names = topic_names(kafka.topic_prefix)
         self._security = client_security(kafka.security)
-        check_compression(kafka.compression_type)
+        check_compression(kafka)
         self._spool = Spool(spool.dir, spool.max_bytes)
         self._queue: queue.Queue[tuple[Topic, Record, int]] = queue.Queue(maxsize=queue_size)
         self._delivery_timeout_s = delivery_timeout_s

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 from kafka import KafkaConsumer, TopicPartition
 
 from service.bus.base import Topic
-from service.bus.kafka.admin import build_client, client_security, describe
+from service.bus.kafka.admin import build_client, client_security, describe, key_text
 from service.config import KafkaSecurity
 from service.records import Record, load
 
@@ -197,8 +197,7 @@ def read_messages(bootstrap: str, topic: str, timeout_s: float = 10.0,
             for tp, messages in batch.items():
                 got += len(messages)
                 for m in messages:
-                    out.append(Message(tp.topic, tp.partition, m.offset,
-                                       m.key.decode() if m.key is not None else None, _json_or_raw(m.value)))
+                    out.append(Message(tp.topic, tp.partition, m.offset, key_text(m.key), _json_or_raw(m.value)))
             if behind and got < READ_MAX_RECORDS:  # nothing fetched was held back: each batch came whole
                 behind = {tp for tp in behind if consumer.position(tp) < ends[tp]}
         return sorted(out, key=lambda m: (m.partition, m.offset))
