@@ -562,6 +562,33 @@ async def test_group_consumer_and_follower_survive_a_replaced_broker(fresh_kafka
         await bus.close()
 
 
+async def test_work_taken_before_the_broker_was_replaced_commits_nothing_on_the_new_topic(fresh_kafka_broker, tmp_path):
+    broker = fresh_kafka_broker
+    p, group = prefix(), "replaced-commit"
+    bus = make_bus(broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    worker = bus.subscribe(["outcomes"], group=group)
+    try:
+        for i in range(60):
+            bus.publish("outcomes", outcome("old", i))
+        assert len(await collect(worker, 60, 20)) == 60  # taken, still being worked on: not committed
+        old_ids = dict(worker.topic_ids)
+        broker.restart()  # comes back empty: the topics are new, their offsets start at 0 again
+        for i in range(80):
+            bus.publish("outcomes", outcome("new", i))
+        await wait_for(lambda: worker.topic_ids not in ({}, old_ids), 40, "the worker sees the new topic")
+        await worker.commit()  # the old work is done
+        again = await collect(worker, 80, 30)
+        assert {f"new-{i}" for i in range(80)} <= set(ids(again))
+        await worker.close()
+        after = bus.subscribe(["outcomes"], group=group)  # a restart: from the group's commits
+        got = await collect(after, 80, 30)
+        assert {f"new-{i}" for i in range(80)} <= set(ids(got))  # the old offsets skipped none of them
+        await after.close()
+    finally:
+        await bus.close()
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

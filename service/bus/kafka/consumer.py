@@ -79,7 +79,9 @@ class KafkaSubscription:
         self._max_buffer = self.max_poll_records * 4
         self._buffer: deque[tuple[TopicPartition, int, Record]] = deque()
         self._lock = threading.Lock()
-        self._returned: dict[TopicPartition, int] = {}  # next offset to commit, per partition
+        # next offset to commit, per partition, with the id of the topic it was read from
+        self._returned: dict[TopicPartition, tuple[int, object]] = {}
+        self._orphans: deque[tuple[TopicPartition, int, Record]] = deque()  # fetched from a topic since replaced
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], ConcurrentFuture]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._closed = False
@@ -145,11 +147,13 @@ class KafkaSubscription:
 
     def _take(self, max_records: int) -> list[Record]:
         with self._lock:
-            n = min(max_records, len(self._buffer))
             out = []
+            while self._orphans and len(out) < max_records:  # still worked on; nothing to commit of them
+                out.append(self._orphans.popleft()[2])
+            n = min(max_records - len(out), len(self._buffer))
             for _ in range(n):
                 tp, offset, record = self._buffer.popleft()
-                self._returned[tp] = offset + 1
+                self._returned[tp] = (offset + 1, self.topic_ids.get(tp.topic))
                 out.append(record)
             return out
 
@@ -337,13 +341,20 @@ class KafkaSubscription:
         self._next_check = now + 1.0
         assigned = consumer.assignment()
         replaced: set[str] = set()
+        ids: dict[str, object] = {}
         for name in self._names:
             tid = topic_id(consumer, name)
             if tid is None:
                 continue
             if self.topic_ids.get(name) not in (None, tid):
                 replaced.add(name)
-            self.topic_ids[name] = tid
+            ids[name] = tid
+        stale = {tp for tp in assigned if tp.topic in replaced}
+        with self._lock:  # what is taken from now on is of the new topics; fetched before, of the old
+            self.topic_ids.update(ids)
+            if self.group is not None and stale:
+                self._orphans.extend(x for x in self._buffer if x[0] in stale)
+                self._buffer = deque(x for x in self._buffer if x[0] not in stale)
         if self.group is None:
             shape = {tp.topic for tp in assigned} != set(self._names) or any(
                 (parts := consumer.partitions_for_topic(name)) is not None
@@ -354,7 +365,6 @@ class KafkaSubscription:
                 log.info("follower: %s changed; reading from the beginning", ", ".join(sorted(self._names)))
                 self._assign_all(consumer)
             return
-        stale = [tp for tp in assigned if tp.topic in replaced]
         if stale:
             log.info("consumer group %s: %s was replaced; reading it from the beginning",
                      self.group, ", ".join(sorted(replaced)))
@@ -381,12 +391,14 @@ class KafkaSubscription:
         for topic, n in lag.items():
             _set_lag(topic, self._label, id(self), n)
 
-    def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+    def _commit(self, offsets: dict[TopicPartition, tuple[int, object]]) -> None:
         consumer = self._consumer
         if consumer is None:
             return  # reconnected since: those records come again (at least once)
         owned = consumer.assignment()
-        mine = {tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items() if tp in owned}
+        # an offset of a topic replaced since (an empty broker came back) would skip the new topic's records
+        mine = {tp: OffsetAndMetadata(off, "", -1) for tp, (off, tid) in offsets.items()
+                if tp in owned and tid in (None, self.topic_ids.get(tp.topic))}
         if not mine:
             return
         try:
