@@ -147,7 +147,7 @@ class KafkaSubscription:
 
     def _take(self, max_records: int) -> list[Record]:
         with self._lock:
-            out = []
+            out: list[Record] = []
             while self._orphans and len(out) < max_records:  # still worked on; nothing to commit of them
                 out.append(self._orphans.popleft()[2])
             n = min(max_records - len(out), len(self._buffer))
