@@ -10,6 +10,7 @@ import urllib.request
 import uuid
 
 import openai
+import yaml
 import pytest
 
 from service.bus.kafka import read_topic
@@ -58,3 +59,52 @@ def test_a_follow_up_on_another_replica_reaches_the_model_that_stored_the_respon
     outcomes = read_topic(kafka_broker.bootstrap, f"{prefix}.outcomes", timeout_s=5)
     ids = {o.get("response_id") for o in outcomes}
     assert {rid for rid, _ in served} <= ids
+
+
+def _reload(server, route: dict) -> None:
+    """The replica's config file with `route` as support-bot, applied (POST /admin/reload)."""
+    path = server.config_path
+    cfg = yaml.safe_load(path.read_text())
+    cfg["routes"]["support-bot"] = route
+    path.write_text(yaml.safe_dump(cfg))
+    _admin(server.url, "/admin/reload", "POST")
+
+
+def test_follow_ups_reach_their_model_across_replicas_after_reloads_add_and_remove_the_candidate(kafka_broker,
+                                                                                                 servers):
+    sim = servers.simulator()
+    prefix = "mc" + uuid.uuid4().hex[:8]
+    cfg = proxy_config(sim.url)
+    cfg["routes"]["support-bot"] = {"stable": "stable-m"}  # no rollout yet
+    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
+                                                   "topic_prefix": prefix, "partitions": 2, "linger_ms": 5}}
+    a = servers.proxy(cfg, name="proxy-a", env=ENV)
+    b = servers.proxy(cfg, name="proxy-b", env=ENV)
+    rollout = {"stable": "stable-m", "candidate": "candidate-m", "shadow": {"sample_rate": 0.0},
+               "rollout": {"steps": [50], "mode": "advisory"}}
+    for replica in (a, b):  # a rollout begins: from now on a follow-up may reach either replica
+        _reload(replica, rollout)
+    _admin(a.url, "/admin/rollouts/support-bot/promote", "POST")
+    deadline = time.monotonic() + 20
+    while _admin(b.url, "/admin/rollouts/support-bot")["phase"] != "canary" and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+    on_a = openai.OpenAI(base_url=a.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+    on_b = openai.OpenAI(base_url=b.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+    served = []
+    for i in range(16):
+        raw = on_a.responses.with_raw_response.create(model="support-bot", input=f"question {i}")
+        served.append((raw.parse().id, raw.headers["x-modelcanary-model"]))
+    assert {m for _, m in served} == {"stable-m", "candidate-m"}
+    for response_id, model in served[:4]:
+        raw = on_b.responses.with_raw_response.create(model="support-bot", previous_response_id=response_id,
+                                                      input="go on")
+        assert raw.headers["x-modelcanary-model"] == model
+
+    for replica in (a, b):  # the rollout is over: the candidate leaves the route
+        _reload(replica, {"stable": "stable-m"})
+    for response_id, model in served[4:]:  # what each model stored is still only its own
+        raw = on_b.responses.with_raw_response.create(model="support-bot", previous_response_id=response_id,
+                                                      input="and then?")
+        assert raw.headers["x-modelcanary-model"] == model
+        assert raw.parse().previous_response_id == response_id

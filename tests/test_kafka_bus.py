@@ -265,6 +265,27 @@ async def test_follower_reads_rollouts_from_the_beginning(kafka_broker, tmp_path
         await bus.close()
 
 
+async def test_a_tail_starts_near_the_end_of_a_long_topic(kafka_broker, tmp_path):
+    """What a starting replica reads to learn recent Responses owners: the last records, not the history."""
+    p, tag = prefix(), "tail"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        for i in range(600):
+            bus.publish("outcomes", outcome(tag, i))
+            if i % 100 == 99:  # in several batches, as traffic comes
+                assert await bus.flush(10)
+        sub = bus.tail(["outcomes"], 60)
+        got = ids(await collect(sub, 600, 5))
+        assert {f"{tag}-{i}" for i in range(590, 600)} <= set(got)  # the newest of every partition
+        assert 60 <= len(got) < 300  # ~60, plus what Tansu's end offsets (a batch's start) add
+        bus.publish("outcomes", outcome(tag, 600))
+        assert ids(await collect(sub, 1, 10)) == [f"{tag}-600"]  # then every new record
+        await sub.close()
+    finally:
+        await bus.close()
+
+
 async def test_flush_waits_until_the_broker_confirms_or_the_spool_holds_them(fresh_kafka_broker, tmp_path):
     broker = fresh_kafka_broker
     p, tag = prefix(), "flush"

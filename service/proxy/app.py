@@ -101,6 +101,7 @@ ERROR_RESPONSE = {"description": "OpenAI-shaped error", "content": {"application
     "type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["message", "type"]}}}}}}
 
 MAX_FEEDBACK_ID = 256  # characters of a feedback's request_id or session_id
+OWNERS_TAIL = 20_000   # outcomes a starting replica reads back to learn recent response owners (seconds of work)
 
 
 class Runtime:
@@ -131,6 +132,7 @@ class Runtime:
         self.tasks: list[asyncio.Task] = []
         self._shadow: asyncio.Task | None = None
         self._shadow_reloads: asyncio.Queue[Config] = asyncio.Queue()
+        self._owners_task: asyncio.Task | None = None
 
     def _publish_rollout(self, state: RolloutState) -> None:
         self.bus.publish("rollouts", state)
@@ -140,11 +142,7 @@ class Runtime:
         if self.config.events.backend == "kafka":
             bus = cast("KafkaBus", self.bus)  # the kafka backend's bus (make_bus)
             self.tasks.append(asyncio.create_task(follow(bus, self.book, self.stop), name="rollouts"))
-            if any(rc.candidate and self.config.providers[self.config.models[rc.stable].provider].api == "openai"
-                   for rc in self.config.routes.values()):  # Responses follow-ups may reach any replica
-                outcomes = self.bus.subscribe(["outcomes"], group=None)
-                self.tasks.append(asyncio.create_task(follow_outcomes(outcomes, self.owners, self.stop),
-                                                      name="response-owners"))
+            self._follow_owners()
         else:
             controller = Controller(self.config, self.bus, self.book, self.config.notify.webhook_url)
             if self.recent_traffic is not None:
@@ -156,6 +154,19 @@ class Runtime:
                     self.shadow_workers(self.config, self.bus, self.stop, self._shadow_reloads), name="shadow-workers")
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # main thread only
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_on_sighup)
+
+    def _follow_owners(self) -> None:
+        """Kafka mode: learn which model stored each response any replica served, once a route may
+        split Responses traffic (a follow-up may reach any replica); from start or the reload that
+        adds a candidate. It starts from the outcomes topic's last OWNERS_TAIL records."""
+        if self.config.events.backend != "kafka" or self._owners_task is not None:
+            return
+        if any(rc.candidate and self.config.providers[self.config.models[rc.stable].provider].api == "openai"
+               for rc in self.config.routes.values()):
+            outcomes = cast("KafkaBus", self.bus).tail(["outcomes"], OWNERS_TAIL)
+            self._owners_task = asyncio.create_task(follow_outcomes(outcomes, self.owners, self.stop),
+                                                    name="response-owners")
+            self.tasks.append(self._owners_task)
 
     def _reload_on_sighup(self) -> None:
         try:
@@ -206,6 +217,7 @@ class Runtime:
         self.recorder.reload(config)
         self.proxy.reload(config)
         restarted = self.book.reload(config)
+        self._follow_owners()
         if self._shadow is not None:
             self._shadow_reloads.put_nowait(config)
         log.info("config reloaded from %s; new rollouts: %s", self.config_path, restarted or "none")

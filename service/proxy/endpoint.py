@@ -118,12 +118,15 @@ class FormatEndpoint:
         if route is None:
             return name, "stable"
         rc = self.proxy.config.routes[route]
-        if stateful in (None, "background") or rc.candidate is None:
+        if stateful in (None, "background") or (stateful == "conversation" and rc.candidate is None):
             return pick(route, self.proxy.book.routing[route], session_key, segment)
         if stateful == "conversation":
             return rc.stable, "stable"
         response_id = body["previous_response_id"]
-        owner = await self.owners.wait(response_id, self.owner_wait_s)
+        # the model that stored it, also once the route has no candidate (a rollout ended by a reload)
+        owner = await self.owners.wait(response_id, self.owner_wait_s if rc.candidate is not None else 0.0)
+        if owner is None and rc.candidate is None:  # one model: the one that stored what the route answered
+            return pick(route, self.proxy.book.routing[route], session_key, segment)
         if owner is None or owner not in self.proxy.config.models:
             raise BadRequest(409, f"previous_response_id '{response_id[:100]}' was not answered through this "
                              f"proxy lately, so which of route '{route}''s models stores it is unknown; send the "

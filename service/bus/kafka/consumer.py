@@ -55,7 +55,7 @@ class KafkaSubscription:
     When the buffer is full the partitions are paused. `group=None`: every partition, no group, no
     commits; from the beginning, or, with `latest_of` (keys), first each of those keys' latest record
     (read back from the end, see `_latest`) and then every new record; `caught_up` is set once those
-    are buffered.
+    are buffered; with `tail` (a number of records), from about that many before each partition's end.
     """
 
     max_poll_records = 50
@@ -68,11 +68,12 @@ class KafkaSubscription:
     assignors: tuple[type, ...] | None = None  # kafka-python's default (eager range, round robin)
 
     def __init__(self, bus: KafkaBus, topics: list[Topic], group: str | None,
-                 latest_of: Collection[str] | None = None):
+                 latest_of: Collection[str] | None = None, tail: int | None = None):
         self._bus = bus
         self.topics = topics
         self.group = group
         self.latest_of = frozenset(latest_of) if latest_of is not None else None
+        self.tail = tail
         self.caught_up = threading.Event()
         self._names = {bus.names[t]: t for t in topics}
         self._label = group or "none"
@@ -323,6 +324,11 @@ class KafkaSubscription:
             with self._lock:
                 self._buffer.extend(latest)
             self._notify()
+        elif tps and self.tail is not None:
+            per_partition = max(1, self.tail // len(tps))
+            starts, ends = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
+            for tp in tps:
+                consumer.seek(tp, max(starts[tp], ends[tp] - per_partition))
         elif tps:
             consumer.seek_to_beginning(*tps)
         if self.latest_of is not None:

@@ -207,6 +207,11 @@ class KafkaBus:
             if producer is not None:
                 force_close(producer)
 
+    def tail(self, topics: list[Topic], last: int) -> KafkaSubscription:
+        """Every partition of the topics (no group), from about their `last` most recent records on
+        (shared over the partitions), then every new record."""
+        return KafkaSubscription(self, list(topics), None, tail=last)
+
     def follow(self, topics: list[Topic], keys: Collection[str]) -> KafkaSubscription:
         """Every partition of keyed topics (rollouts, reports): first each of `keys`' latest record,
         found reading back from the end whether or not the broker compacts, then every new record."""
