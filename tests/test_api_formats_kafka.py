@@ -10,8 +10,8 @@ import urllib.request
 import uuid
 
 import openai
-import yaml
 import pytest
+import yaml
 
 from service.bus.kafka import read_topic
 from tests.fixtures.servers import proxy_config
