@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -869,3 +870,81 @@ def test_security_settings_map_to_kafka_python(monkeypatch):
     # Passwords are secrets in the parsed config too: its repr and dumps never show them.
     security = KafkaSecurity(sasl_plain_password="s3cret-value")
     assert "s3cret-value" not in repr(security) and "s3cret-value" not in security.model_dump_json()
+
+
+CLOSING_CHILD = """
+import asyncio, sys
+from service.bus.kafka import KafkaBus
+from service.config import KafkaConfig, SpoolConfig
+from tests.test_kafka_bus import outcome
+
+bootstrap, prefix, spool_dir = sys.argv[1:4]
+
+async def main():
+    bus = KafkaBus(KafkaConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions=3),
+                   SpoolConfig(dir=spool_dir), probe_interval_s=(0.2, 0.5))  # production timeouts
+    await bus.start()
+    n = 0
+    for _ in range(6000):
+        bus.publish("outcomes", outcome("c", n)); n += 1
+    await bus.flush(30)
+    print("SPOOLED", bus.spooled, flush=True)
+    sys.stdin.readline()  # the broker is back
+    while bus.spooled >= 6000:
+        await asyncio.sleep(0.005)
+    print("REPLAYING", flush=True)
+    sys.stdin.readline()  # the broker went silent
+    for _ in range(100):
+        bus.publish("outcomes", outcome("c", n)); n += 1
+        await asyncio.sleep(0.01)
+    await bus.close()
+    print("PUBLISHED", n, flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_closing_while_the_spool_replays_into_a_silent_broker_loses_nothing(tmp_path):
+    """The process exits right after close(): whatever was published is on the broker or in the spool."""
+    from tests.faults.fault_proxy import FaultProxy, ProxiedBroker
+
+    port = free_port()
+    fault = FaultProxy("127.0.0.1", port).start()
+    broker = ProxiedBroker(fault.port, port=port, log_path=tmp_path / "tansu.log").start()
+    fault.set_mode("drop")
+    p, spool_dir = prefix(), tmp_path / "spool"
+    child = subprocess.Popen([sys.executable, "-c", CLOSING_CHILD, fault.address, p, str(spool_dir)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        def said(word: str) -> str:
+            for line in child.stdout:
+                if line.startswith(word):
+                    return line
+            raise AssertionError(f"the child ended before saying {word}: exit {child.wait()}")
+
+        assert int(said("SPOOLED").split()[1]) == 6000
+        fault.set_mode("pass")
+        child.stdin.write("\n")
+        child.stdin.flush()
+        said("REPLAYING")
+        fault.set_mode("blackhole")
+        child.stdin.write("\n")
+        child.stdin.flush()
+        published = int(said("PUBLISHED").split()[1])
+        assert child.wait(30) == 0
+        fault.set_mode("pass")
+        delivered = {m["request_id"] for m in read_topic(fault.address, f"{p}.outcomes", 20)}
+        spool = Spool(spool_dir, 1 << 30)
+        spool.open()
+        spooled: set[str] = set()
+        while (batch := spool.read(100_000)) is not None:
+            spooled |= {json.loads(e.value)["request_id"] for e in batch.entries}
+            spool.commit(batch, len(batch.entries))
+        spool.close()
+        assert {f"c-{i}" for i in range(published)} - delivered - spooled == set()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        broker.stop()
+        fault.stop()

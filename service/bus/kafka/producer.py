@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaProducer
+from kafka.errors import KafkaTimeoutError
 
 from service import metrics
 from service.bus.base import TOPICS, Topic, record_key
@@ -61,6 +62,8 @@ from service.config import KafkaConfig, SpoolConfig
 from service.records import Record, dump
 
 log = logging.getLogger("modelcanary.bus.kafka")
+
+REPLAY_WAIT_S = 0.5  # a spool replay waits for the broker in steps this long, checking for close()
 
 
 @dataclass(frozen=True)
@@ -448,12 +451,13 @@ class KafkaBus:
             except Exception as e:
                 failure = e
                 break
-        try:
-            producer.flush(timeout=self._delivery_timeout_s + 1.0)
-        except Exception as e:
-            failure = failure or e
+        failure = failure or self._await_delivery(producer, time.monotonic() + self._delivery_timeout_s + 1.0)
         done = self._count_replayed(batch, futures)
         self._spool.commit(batch, done)
+        if self._stopping.is_set() and done < len(batch.entries):  # closing: the rest replays at the next start
+            self._producer = None
+            force_close(producer)
+            return
         if done < len(batch.entries):
             if failure is None:
                 bad = futures[done]
@@ -463,6 +467,21 @@ class KafkaBus:
             self._spool.flush()
             if len(self._spool) == 0:
                 log.info("spool replayed; sending directly again")
+
+    def _await_delivery(self, producer: KafkaProducer, deadline: float) -> BaseException | None:
+        """Flush until `deadline`, in short waits so that `close()` is not held up by a silent broker
+        (the chunk stays in the spool; records published meanwhile must still reach it). The error
+        that ended it, if any."""
+        while True:
+            try:
+                producer.flush(timeout=max(0.0, min(REPLAY_WAIT_S, deadline - time.monotonic())))
+                return None
+            except KafkaTimeoutError as e:
+                if self._stopping.is_set() or time.monotonic() >= deadline:
+                    timed_out: BaseException = e  # kafka-python ships no type hints
+                    return timed_out
+            except Exception as e:
+                return e
 
     def _count_replayed(self, batch: SpoolBatch, futures: list) -> int:
         """How many entries from the front are settled (delivered, or dropped as too large)."""
