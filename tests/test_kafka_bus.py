@@ -449,6 +449,36 @@ async def test_undecodable_records_are_skipped_and_counted(kafka_broker, tmp_pat
         await bus.close()
 
 
+async def test_undecodable_records_at_the_end_are_committed_past_and_counted_once(kafka_broker, tmp_path):
+    from kafka import KafkaProducer
+
+    p, tag, group = prefix(), "tail-bad", "tail-bad-group"
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        for i in range(5):
+            bus.publish("outcomes", outcome(tag, i))
+        assert await bus.flush(10)
+        producer = KafkaProducer(bootstrap_servers=kafka_broker.bootstrap)
+        for _ in range(3):
+            producer.send(f"{p}.outcomes", key=f"{tag}-0".encode(), value=b"not json")  # behind a good one
+        producer.flush()
+        producer.close()
+        before = dropped("bad_record")
+        first = bus.subscribe(["outcomes"], group=group)
+        assert sorted(ids(await collect(first, 5, 20))) == [f"{tag}-{i}" for i in range(5)]
+        await wait_for(lambda: dropped("bad_record") - before == 3, 10, "the bad records counted")
+        await first.get_batch(100, 0.5)  # takes what is left in turn (nothing to hand out)
+        await first.commit()
+        await first.close()
+        second = bus.subscribe(["outcomes"], group=group)  # a restart: from the group's commits
+        assert await second.get_batch(100, 5) == []
+        assert dropped("bad_record") - before == 3  # read past once, counted once
+        await second.close()
+    finally:
+        await bus.close()
+
+
 async def test_a_key_that_is_not_utf8_stops_no_reader_of_the_topic(kafka_broker, tmp_path):
     from kafka import KafkaProducer
 

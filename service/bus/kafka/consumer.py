@@ -78,11 +78,12 @@ class KafkaSubscription:
         self._names = {bus.names[t]: t for t in topics}
         self._label = group or "none"
         self._max_buffer = self.max_poll_records * 4
-        self._buffer: deque[tuple[TopicPartition, int, Record]] = deque()
+        # (partition, offset, record); None for a record that does not decode: taken in its turn, unreturned
+        self._buffer: deque[tuple[TopicPartition, int, Record | None]] = deque()
         self._lock = threading.Lock()
         # next offset to commit, per partition, with the id of the topic it was read from
         self._returned: dict[TopicPartition, tuple[int, object]] = {}
-        self._orphans: deque[tuple[TopicPartition, int, Record]] = deque()  # fetched from a topic since replaced
+        self._orphans: deque[tuple[TopicPartition, int, Record | None]] = deque()  # fetched from a topic since replaced
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], ConcurrentFuture]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._closed = False
@@ -150,12 +151,13 @@ class KafkaSubscription:
         with self._lock:
             out: list[Record] = []
             while self._orphans and len(out) < max_records:  # still worked on; nothing to commit of them
-                out.append(self._orphans.popleft()[2])
-            n = min(max_records - len(out), len(self._buffer))
-            for _ in range(n):
+                if (orphan := self._orphans.popleft()[2]) is not None:
+                    out.append(orphan)
+            while self._buffer and len(out) < max_records:
                 tp, offset, record = self._buffer.popleft()
-                self._returned[tp] = (offset + 1, self.topic_ids.get(tp.topic))
-                out.append(record)
+                self._returned[tp] = (offset + 1, self.topic_ids.get(tp.topic))  # past an undecodable one too
+                if record is not None:
+                    out.append(record)
             return out
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
@@ -223,7 +225,7 @@ class KafkaSubscription:
                 fut.set_exception(e)
 
     def _buffer_records(self, raw: dict) -> None:
-        decoded = []
+        decoded: list[tuple[TopicPartition, int, Record | None]] = []
         for tp, messages in raw.items():
             for m in messages:
                 try:
@@ -231,6 +233,7 @@ class KafkaSubscription:
                 except Exception:
                     metrics.events_dropped_total.labels(self._names.get(tp.topic, tp.topic), "bad_record").inc()
                     log.warning("skipped an undecodable record at %s[%d]@%d", tp.topic, tp.partition, m.offset)
+                    decoded.append((tp, m.offset, None))  # committed past in its turn: counted once
         if decoded:
             with self._lock:
                 self._buffer.extend(decoded)
