@@ -108,3 +108,18 @@ def test_follow_ups_reach_their_model_across_replicas_after_reloads_add_and_remo
                                                       input="and then?")
         assert raw.headers["x-modelcanary-model"] == model
         assert raw.parse().previous_response_id == response_id
+
+
+def test_a_replica_is_ready_only_once_it_routes_on_the_rollout_states_of_the_topic(kafka_broker, servers):
+    sim = servers.simulator()
+    prefix = "mc" + uuid.uuid4().hex[:8]
+    cfg = proxy_config(sim.url, shadow={"sample_rate": 0.0}, rollout={"steps": [50], "mode": "advisory"})
+    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
+                                                   "topic_prefix": prefix, "partitions": 2, "linger_ms": 5}}
+    a = servers.proxy(cfg, name="proxy-a", env=ENV)
+    promoted = _admin(a.url, "/admin/rollouts/support-bot/promote", "POST")
+    assert promoted["phase"] == "canary"
+    for name in ("proxy-b", "proxy-c"):  # a scale-up; started as the chart's probe sees it: ready = /readyz
+        replica = servers.proxy(cfg, name=name, env=ENV)
+        state = _admin(replica.url, "/admin/rollouts/support-bot")
+        assert (state["phase"], state["version"]) == ("canary", promoted["version"])

@@ -191,7 +191,7 @@ async def webhook_after_rollback(url: str, got: asyncio.Event) -> None:
     cfg = make_config(notify={"webhook_url": url})
     bus, book = MemoryBus(), RolloutBook(cfg)
     controller = Controller(cfg, bus, book)
-    assert controller.notify_url == url
+    assert controller.notifier.url == url
     stop, task = await start(controller)
     book.operate("bot", "rollback", by="operator", reason="drill")
     await asyncio.wait_for(got.wait(), 10)
@@ -320,7 +320,7 @@ async def test_a_webhook_url_that_does_not_parse_fails_quietly_without_its_secre
     bus, book = MemoryBus(), RolloutBook(cfg)
     controller = Controller(cfg, bus, book, notify_url=SECRET_HOOK)  # the config refuses it; a caller need not
     book.operate("bot", "pause")  # a phase change: the webhook task starts, nobody drains it
-    tasks = list(controller._tasks)
+    tasks = list(controller.notifier._tasks)
     assert tasks
     await asyncio.wait(tasks, timeout=10)
     assert all(t.done() and not t.cancelled() and t.exception() is None for t in tasks)

@@ -495,7 +495,8 @@ async def test_a_key_that_is_not_utf8_stops_no_reader_of_the_topic(kafka_broker,
             "support-bot", {"hello": 1}]  # what `capture` and leadership read with
         follower = bus.follow(["rollouts"], ["support-bot"])  # every proxy's rollouts follower
         got = await collect(follower, 1, 15)
-        assert [(r.route, r.version) for r in got] == [("support-bot", 1)] and follower.caught_up.is_set()
+        assert [(r.route, r.version) for r in got] == [("support-bot", 1)]
+        await wait_for(follower.caught_up.is_set, 10, "the follower caught up")
         await follower.close()
     finally:
         await bus.close()

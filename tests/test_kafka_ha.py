@@ -316,3 +316,49 @@ def test_the_rollouts_topic_grows_slowly_while_the_judge_decides_every_second(fr
           f"KiB/hour (steady rollout, judged every second)")
     assert per_10_min[0] < ROLLOUTS_BYTES_PER_10_MIN, per_10_min
     assert end[1] > start[1]  # the report is still published (on its own topic, at most every 10 s here)
+
+
+def test_an_operator_action_is_notified_once_with_a_leader_and_also_while_none_leads(fresh_kafka_broker, servers,
+                                                                                        tmp_path):
+    """The proxy that takes an operator's action sends its webhook; the leader sends only its own
+    decisions'. So an action during a failover (no leader) is notified too, and none twice."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hooks: list[dict] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
+            hooks.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    try:
+        sim = servers.simulator(sim_config())
+        cfg = _config(sim.url, fresh_kafka_broker.bootstrap, "mc" + uuid.uuid4().hex[:8],
+                      {"steps": [20, 40], "min_shadow_samples": 100000, "min_samples_per_step": 100000})
+        cfg["notify"] = {"webhook_url": f"http://127.0.0.1:{receiver.server_address[1]}/hook/secret"}
+        proxy = servers.proxy(cfg, name="proxy-a", env=ENV)
+        leader = Controller(servers, tmp_path, cfg, "control-a")
+        assert _wait(leader.leading, 40)
+        assert _wait(lambda: _state(proxy.url)["epoch"] >= 1, 20)  # the proxy follows the leader's states
+
+        def leader_sees(phase: str) -> bool:
+            return metric_value(scrape(leader.url), "modelcanary_rollout_phase", route=ROUTE, phase=phase) == 1
+
+        for action, phase in (("promote", "canary"), ("pause", "paused")):
+            assert _post(proxy.url + f"/admin/rollouts/{ROUTE}/{action}", {}, token=TOKEN)[0] == 200
+            assert _wait(lambda phase=phase: leader_sees(phase), 20)  # adopted: its webhook, if any, is sent
+        leader.proc.stop()  # no controller leads now
+        assert _post(proxy.url + f"/admin/rollouts/{ROUTE}/resume", {}, token=TOKEN)[0] == 200
+        assert _wait(lambda: len(hooks) >= 3, 10)
+        assert [(h["from"], h["to"], h["by"]) for h in hooks] == [
+            ("shadow", "canary", "operator"), ("canary", "paused", "operator"), ("paused", "canary", "operator")]
+    finally:
+        receiver.shutdown()
+        receiver.server_close()

@@ -120,13 +120,18 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
             return unknown(route)
         if (bad := _action_input_problem(request, await request.body())) is not None:
             return bad
+        if not runtime.caught_up.is_set():  # an action on a state older than the topic's would be lost
+            return openai_error(503, "this replica has not caught up with the rollout states yet; retry in a few "
+                                "seconds", code="catching_up")
         segment = request.query_params.get("segment")
+        before = runtime.book.states[route]
         try:
             state = runtime.book.operate(route, action, by="operator", segment=segment)  # type: ignore[arg-type]
         except TransitionError as e:
             return openai_error(409, str(e), code="invalid_transition")
         except UnknownSegment as e:
             return openai_error(404, str(e), param="segment", code="segment_not_found")
+        runtime.notifier.changed(state, before)
         audit.info("operator action=%s route=%s segment=%s phase=%s weight=%.3f client=%s", action, route,
                    (segment or "-")[:64], state.phase, state.canary_weight, request.client.host if request.client else "-")
         return JSONResponse(_public(state))

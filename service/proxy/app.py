@@ -40,6 +40,7 @@ from service.records import RolloutState
 from service.rollout.book import RolloutBook
 from service.rollout.controller import Controller
 from service.rollout.follower import follow
+from service.rollout.notify import Notifier
 from service.tracing import Tracing
 from service.upstream import make_providers
 
@@ -129,10 +130,17 @@ class Runtime:
         self.responses = FormatEndpoint(self.proxy, RESPONSES, self.owners, wait_s)
         self.messages = FormatEndpoint(self.proxy, MESSAGES, self.owners)
         self.stop = asyncio.Event()
+        # Kafka mode: set once the rollout states on the topic are adopted (routing and operator actions
+        # wait for it); memory mode has no other states than its own
+        self.caught_up = asyncio.Event()
+        if not kafka:
+            self.caught_up.set()
         self.tasks: list[asyncio.Task] = []
         self._shadow: asyncio.Task | None = None
         self._shadow_reloads: asyncio.Queue[Config] = asyncio.Queue()
         self._owners_task: asyncio.Task | None = None
+        # Kafka mode: this replica notifies the operator actions it takes (the leader, if any, notifies its own)
+        self.notifier = Notifier(config.notify.webhook_url if kafka else None)
 
     def _publish_rollout(self, state: RolloutState) -> None:
         self.bus.publish("rollouts", state)
@@ -141,7 +149,7 @@ class Runtime:
         await self.bus.start()
         if self.config.events.backend == "kafka":
             bus = cast("KafkaBus", self.bus)  # the kafka backend's bus (make_bus)
-            self.tasks.append(asyncio.create_task(follow(bus, self.book, self.stop), name="rollouts"))
+            self.tasks.append(asyncio.create_task(follow(bus, self.book, self.stop, self.caught_up), name="rollouts"))
             self._follow_owners()
         else:
             controller = Controller(self.config, self.bus, self.book, self.config.notify.webhook_url)
@@ -187,6 +195,7 @@ class Runtime:
                 task.cancel()
             except Exception:
                 log.exception("background task %s failed", task.get_name())
+        await self.notifier.drain()
         await self.bus.close()
         for provider in self.providers.values():
             await provider.close()
@@ -213,6 +222,8 @@ class Runtime:
                 if old is not None:
                     asyncio.get_running_loop().create_task(old.close())
         self.config = config
+        if config.events.backend == "kafka":
+            self.notifier.url = config.notify.webhook_url
         self.sampler.reload(config)
         self.recorder.reload(config)
         self.proxy.reload(config)
@@ -294,6 +305,8 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
     async def readyz() -> JSONResponse:
         if proxy.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if not runtime.caught_up.is_set():
+            return JSONResponse({"status": "catching_up"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")

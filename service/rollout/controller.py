@@ -26,8 +26,6 @@ import sys
 import time
 from collections.abc import Callable
 
-import aiohttp
-
 from service.bus.base import EventBus, Subscription
 from service.config import Config, RouteConfig
 from service.judge.decide import Judgement, judge
@@ -37,7 +35,7 @@ from service.judge.segments import candidates_of, decide_segments, rollout_start
 from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutReport, RolloutState
 from service.rollout.book import MAX_WINDOWS, TERMINAL, RolloutBook
 from service.rollout.feedback import REQUESTS_REMEMBERED, FeedbackResolver
-from service.rollout.notify import safe_url, webhook_payload
+from service.rollout.notify import Notifier
 
 log = logging.getLogger("modelcanary.controller")
 
@@ -46,7 +44,6 @@ MAX_BATCH = 2000
 MIN_INTERVAL_S = 0.05       # the judge never runs more often than this
 MAX_INTERVAL_S = 5.0        # ... and never less often than this
 GATHER_S = 0.05             # records are taken at most this often: a wake-up per batch, not per request
-WEBHOOK_TIMEOUT_S = 5.0
 PAUSED_WAIT_S = 0.2         # how often a paused controller (`may_decide` False) looks again
 
 
@@ -58,7 +55,7 @@ class Controller:
         self._config = config
         self.bus = bus
         self.book = book
-        self.notify_url = notify_url if notify_url is not None else config.notify.webhook_url
+        self.notifier = Notifier(notify_url if notify_url is not None else config.notify.webhook_url)
         # the interval bounds the reports topic in Kafka mode; in memory mode no topic grows
         default_interval = config.control.report_interval_s if config.events.backend == "kafka" else MAX_INTERVAL_S
         self.report_interval_s = report_interval_s or default_interval
@@ -69,11 +66,11 @@ class Controller:
         self.judgements: dict[str, Judgement] = {}
         # in memory mode the proxy resolves all feedback: no requests to remember here
         self._resolves_feedback = config.events.backend == "kafka"
+        self._proxies_notify_operators = config.events.backend == "kafka"  # see _on_change
         self.feedback = FeedbackResolver(config.control.feedback_hold_s,
                                          REQUESTS_REMEMBERED if self._resolves_feedback else 1)
         self._reported_at: dict[str, float] = {}
         self._sent_reports: dict[str, dict] = {}  # route -> the last report published, without generated_at
-        self._tasks: set[asyncio.Task] = set()
         self.last_tick: float | None = None
         book.on_change(self._on_change)
 
@@ -128,7 +125,7 @@ class Controller:
                 await sub.close()
             except Exception:
                 log.debug("closing the controller subscription failed", exc_info=True)
-            await self._drain_webhooks()
+            await self.notifier.drain()
 
     # ---- evidence -------------------------------------------------------------------------------------
     def resume(self) -> float | None:
@@ -324,38 +321,11 @@ class Controller:
 
     # ---- notifications ------------------------------------------------------------------------------
     def _on_change(self, new: RolloutState, old: RolloutState | None) -> None:
-        if not self.notify_url or old is None:
-            return
-        if new.phase == old.phase and new.step_index == old.step_index:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            log.warning("webhook for %s skipped: no event loop", new.route)
-            return
-        task = loop.create_task(self._post(webhook_payload(new, old)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _post(self, payload: dict) -> None:
-        url = self.notify_url
-        if not url:
-            return
-        try:
-            # a session per POST (phase changes are rare): closed however the POST ends, also when
-            # nothing drains the webhooks (the controller never ran, or was cancelled)
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S),
-                                             trust_env=True) as session:  # HTTPS_PROXY, as providers
-                async with session.post(url, json=payload) as resp:
-                    if resp.status >= 300:
-                        log.warning("webhook %s answered %s", safe_url(url), resp.status)
-        except Exception as e:  # never raised: a notification must not affect a decision
-            # the exception's text is not logged: aiohttp's name the whole URL, secret path included
-            log.warning("webhook %s failed: %s", safe_url(url), type(e).__name__)
-
-    async def _drain_webhooks(self, timeout_s: float = 2.0) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        """Every change this book commits or adopts; in Kafka mode not an operator's, which the proxy
+        that took the action notifies (there may be no leader at that moment)."""
+        by_operator = new.last_decision is not None and new.last_decision.by == "operator"
+        if not (self._proxies_notify_operators and by_operator):
+            self.notifier.changed(new, old)
 
 
 def _before_rollout(ev: RouteEvidence, state: RolloutState) -> bool:

@@ -82,6 +82,19 @@ class Follower:
             await self.sub.close()
 
 
-async def follow(bus: KafkaBus, book: RolloutBook, stop: asyncio.Event) -> None:
-    """A proxy replica's follower: adopt states and reports until `stop`."""
-    await Follower(bus, book).run(stop)
+READY_WAIT_S = 10.0  # a replica waits this long for its catch-up before it serves on what it has
+
+
+async def follow(bus: KafkaBus, book: RolloutBook, stop: asyncio.Event, caught_up: asyncio.Event) -> None:
+    """A proxy replica's follower: adopt each route's latest state and report, then set `caught_up`
+    (after READY_WAIT_S at most: a broker that is down must not keep the proxy from serving), then
+    every new record until `stop`."""
+    follower = Follower(bus, book)
+    try:
+        if not await asyncio.wait_for(follower.catch_up(stop), READY_WAIT_S):
+            log.warning("rollouts: not caught up with the topic; routing on the states known so far")
+    except TimeoutError:
+        log.warning("rollouts: not caught up with the topic in %.0f s (is the broker down?); routing on the "
+                    "states known so far", READY_WAIT_S)
+    caught_up.set()
+    await follower.run(stop)

@@ -1,11 +1,19 @@
-"""Rollout change notifications: the webhook payload, and URLs fit for logs."""
+"""Rollout change notifications: the webhook's POSTs, its payload, and URLs fit for logs."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import urllib.parse
 
+import aiohttp
+
 from service.records import RolloutState, dump
+
+log = logging.getLogger("modelcanary.rollout")
+
+WEBHOOK_TIMEOUT_S = 5.0
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9.+-]{0,31}")
 _BAD_PORT = re.compile(r"[A-Za-z0-9]{1,8}")  # a typo such as 44x, shown as written; anything longer is not
@@ -54,3 +62,47 @@ def webhook_payload(new: RolloutState, old: RolloutState) -> dict:
         "text": text,
         "state": state,
     }
+
+
+class Notifier:
+    """POSTs `notify.webhook_url` a payload for each phase or step change it is told of; never raises
+    (a notification must not affect a decision)."""
+
+    def __init__(self, url: str | None):
+        self.url = url
+        self._tasks: set[asyncio.Task] = set()
+
+    def changed(self, new: RolloutState, old: RolloutState | None) -> None:
+        if not self.url or old is None:
+            return
+        if new.phase == old.phase and new.step_index == old.step_index:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            log.warning("webhook for %s skipped: no event loop", new.route)
+            return
+        task = loop.create_task(self._post(webhook_payload(new, old)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _post(self, payload: dict) -> None:
+        url = self.url
+        if not url:
+            return
+        try:
+            # a session per POST (phase changes are rare): closed however the POST ends, also when
+            # nothing drains the webhooks (the controller never ran, or was cancelled)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S),
+                                             trust_env=True) as session:  # HTTPS_PROXY, as providers
+                async with session.post(url, json=payload) as resp:
+                    if resp.status >= 300:
+                        log.warning("webhook %s answered %s", safe_url(url), resp.status)
+        except Exception as e:  # never raised: a notification must not affect a decision
+            # the exception's text is not logged: aiohttp's name the whole URL, secret path included
+            log.warning("webhook %s failed: %s", safe_url(url), type(e).__name__)
+
+    async def drain(self, timeout_s: float = 2.0) -> None:
+        """Wait for the POSTs under way (up to `timeout_s`)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
