@@ -29,6 +29,24 @@ def _admin(url: str, path: str, method: str = "GET") -> dict:
         return json.loads(r.read())
 
 
+def _split_traffic(a, b) -> tuple[openai.OpenAI, list[tuple[str, str]]]:
+    """Promote on replica `a` (50% canary), wait for `b` to follow, send 16 Responses requests to `a`:
+    a client of `b`, and (response id, model that stored it) of each."""
+    _admin(a.url, "/admin/rollouts/support-bot/promote", "POST")
+    deadline = time.monotonic() + 20
+    while _admin(b.url, "/admin/rollouts/support-bot")["phase"] != "canary" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _admin(b.url, "/admin/rollouts/support-bot")["canary_weight"] == 0.5
+    on_a = openai.OpenAI(base_url=a.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+    on_b = openai.OpenAI(base_url=b.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+    served = []
+    for i in range(16):
+        raw = on_a.responses.with_raw_response.create(model="support-bot", input=f"question {i}")
+        served.append((raw.parse().id, raw.headers["x-modelcanary-model"]))
+    assert {m for _, m in served} == {"stable-m", "candidate-m"}
+    return on_b, served
+
+
 def test_a_follow_up_on_another_replica_reaches_the_model_that_stored_the_response(kafka_broker, servers):
     sim = servers.simulator()
     prefix = "mc" + uuid.uuid4().hex[:8]
@@ -37,19 +55,7 @@ def test_a_follow_up_on_another_replica_reaches_the_model_that_stored_the_respon
                                                    "topic_prefix": prefix, "partitions": 2, "linger_ms": 5}}
     a = servers.proxy(cfg, name="proxy-a", env=ENV)
     b = servers.proxy(cfg, name="proxy-b", env=ENV)
-    _admin(a.url, "/admin/rollouts/support-bot/promote", "POST")
-    deadline = time.monotonic() + 20
-    while _admin(b.url, "/admin/rollouts/support-bot")["phase"] != "canary" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _admin(b.url, "/admin/rollouts/support-bot")["canary_weight"] == 0.5
-
-    on_a = openai.OpenAI(base_url=a.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
-    on_b = openai.OpenAI(base_url=b.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
-    served = []
-    for i in range(16):
-        raw = on_a.responses.with_raw_response.create(model="support-bot", input=f"question {i}")
-        served.append((raw.parse().id, raw.headers["x-modelcanary-model"]))
-    assert {m for _, m in served} == {"stable-m", "candidate-m"}
+    on_b, served = _split_traffic(a, b)
     for response_id, model in served:
         # the simulator refuses a previous_response_id that another model stored
         raw = on_b.responses.with_raw_response.create(model="support-bot", previous_response_id=response_id,
@@ -84,18 +90,7 @@ def test_follow_ups_reach_their_model_across_replicas_after_reloads_add_and_remo
                "rollout": {"steps": [50], "mode": "advisory"}}
     for replica in (a, b):  # a rollout begins: from now on a follow-up may reach either replica
         _reload(replica, rollout)
-    _admin(a.url, "/admin/rollouts/support-bot/promote", "POST")
-    deadline = time.monotonic() + 20
-    while _admin(b.url, "/admin/rollouts/support-bot")["phase"] != "canary" and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-    on_a = openai.OpenAI(base_url=a.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
-    on_b = openai.OpenAI(base_url=b.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
-    served = []
-    for i in range(16):
-        raw = on_a.responses.with_raw_response.create(model="support-bot", input=f"question {i}")
-        served.append((raw.parse().id, raw.headers["x-modelcanary-model"]))
-    assert {m for _, m in served} == {"stable-m", "candidate-m"}
+    on_b, served = _split_traffic(a, b)
     for response_id, model in served[:4]:
         raw = on_b.responses.with_raw_response.create(model="support-bot", previous_response_id=response_id,
                                                       input="go on")
