@@ -123,8 +123,10 @@ class FormatEndpoint:
         if stateful == "conversation":
             return rc.stable, "stable"
         response_id = body["previous_response_id"]
-        # the model that stored it, also once the route has no candidate (a rollout ended by a reload)
-        owner = await self.owners.wait(response_id, self.owner_wait_s if rc.candidate is not None else 0.0)
+        # the model that stored it, also once the route has no candidate (a rollout ended by a reload):
+        # waited for while another replica's outcome may still name it
+        waits = rc.candidate is not None or self.owners.learning
+        owner = await self.owners.wait(response_id, self.owner_wait_s if waits else 0.0)
         if owner is None and rc.candidate is None:  # one model: the one that stored what the route answered
             return pick(route, self.proxy.book.routing[route], session_key, segment)
         if owner is None or owner not in self.proxy.config.models:

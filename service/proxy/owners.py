@@ -20,6 +20,7 @@ class ResponseOwners:
         self._models: list[str] = []
         self._index: dict[str, int] = {}
         self._waiting: dict[str, list[asyncio.Future]] = {}
+        self.learning = False  # also from the other replicas' outcomes (Kafka mode, follow_outcomes)
 
     def remember(self, response_id: str, model_key: str) -> None:
         index = self._index.get(model_key)
@@ -56,6 +57,7 @@ class ResponseOwners:
 
 async def follow_outcomes(sub: Subscription, owners: ResponseOwners, stop: asyncio.Event) -> None:
     """Learn the response ids every replica served (Kafka mode), until `stop`."""
+    owners.learning = True
     try:
         while not stop.is_set():
             for record in await sub.get_batch(1000, 0.5):
