@@ -29,6 +29,14 @@ def _admin(url: str, path: str, method: str = "GET") -> dict:
         return json.loads(r.read())
 
 
+def _kafka_config(sim_url: str, bootstrap: str) -> dict:
+    """Route support-bot splitting stable-m and candidate-m 50/50 once promoted, on a topic prefix of its own."""
+    cfg = proxy_config(sim_url, shadow={"sample_rate": 0.0}, rollout={"steps": [50], "mode": "advisory"})
+    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": "mc" + uuid.uuid4().hex[:8],
+                                                   "partitions": 2, "linger_ms": 5}}
+    return cfg
+
+
 def _split_traffic(a, b) -> tuple[openai.OpenAI, list[tuple[str, str]]]:
     """Promote on replica `a` (50% canary), wait for `b` to follow, send 16 Responses requests to `a`:
     a client of `b`, and (response id, model that stored it) of each."""
@@ -48,11 +56,7 @@ def _split_traffic(a, b) -> tuple[openai.OpenAI, list[tuple[str, str]]]:
 
 
 def test_a_follow_up_on_another_replica_reaches_the_model_that_stored_the_response(kafka_broker, servers):
-    sim = servers.simulator()
-    prefix = "mc" + uuid.uuid4().hex[:8]
-    cfg = proxy_config(sim.url, shadow={"sample_rate": 0.0}, rollout={"steps": [50], "mode": "advisory"})
-    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
-                                                   "topic_prefix": prefix, "partitions": 2, "linger_ms": 5}}
+    cfg = _kafka_config(servers.simulator().url, kafka_broker.bootstrap)
     a = servers.proxy(cfg, name="proxy-a", env=ENV)
     b = servers.proxy(cfg, name="proxy-b", env=ENV)
     on_b, served = _split_traffic(a, b)
@@ -62,7 +66,7 @@ def test_a_follow_up_on_another_replica_reaches_the_model_that_stored_the_respon
                                                       input="go on")
         assert raw.headers["x-modelcanary-model"] == model
         assert raw.parse().previous_response_id == response_id
-    outcomes = read_topic(kafka_broker.bootstrap, f"{prefix}.outcomes", timeout_s=5)
+    outcomes = read_topic(kafka_broker.bootstrap, cfg["events"]["kafka"]["topic_prefix"] + ".outcomes", timeout_s=5)
     ids = {o.get("response_id") for o in outcomes}
     assert {rid for rid, _ in served} <= ids
 
@@ -78,12 +82,8 @@ def _reload(server, route: dict) -> None:
 
 def test_follow_ups_reach_their_model_across_replicas_after_reloads_add_and_remove_the_candidate(kafka_broker,
                                                                                                  servers):
-    sim = servers.simulator()
-    prefix = "mc" + uuid.uuid4().hex[:8]
-    cfg = proxy_config(sim.url)
+    cfg = _kafka_config(servers.simulator().url, kafka_broker.bootstrap)
     cfg["routes"]["support-bot"] = {"stable": "stable-m"}  # no rollout yet
-    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
-                                                   "topic_prefix": prefix, "partitions": 2, "linger_ms": 5}}
     a = servers.proxy(cfg, name="proxy-a", env=ENV)
     b = servers.proxy(cfg, name="proxy-b", env=ENV)
     rollout = {"stable": "stable-m", "candidate": "candidate-m", "shadow": {"sample_rate": 0.0},
@@ -106,11 +106,7 @@ def test_follow_ups_reach_their_model_across_replicas_after_reloads_add_and_remo
 
 
 def test_a_replica_is_ready_only_once_it_routes_on_the_rollout_states_of_the_topic(kafka_broker, servers):
-    sim = servers.simulator()
-    prefix = "mc" + uuid.uuid4().hex[:8]
-    cfg = proxy_config(sim.url, shadow={"sample_rate": 0.0}, rollout={"steps": [50], "mode": "advisory"})
-    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
-                                                   "topic_prefix": prefix, "partitions": 2, "linger_ms": 5}}
+    cfg = _kafka_config(servers.simulator().url, kafka_broker.bootstrap)
     a = servers.proxy(cfg, name="proxy-a", env=ENV)
     promoted = _admin(a.url, "/admin/rollouts/support-bot/promote", "POST")
     assert promoted["phase"] == "canary"
