@@ -144,8 +144,9 @@ class ShadowClient:
                    link_traceparent: str | None = None, finish_span: bool = True, share: str | None = None,
                    client_headers: dict[str, str] | None = None) -> ShadowCall:
         """One shadow call; a Messages request carries the `client_headers` its client sent with it
-        (anthropic-version, anthropic-beta: the API features the request relies on). With `finish_span=False` the caller ends the span (`end_span`), so that
-        evaluation results can be added to it first. Raises OverBudget, before calling, when the
+        (anthropic-version, anthropic-beta: the API features the request relies on). With
+        `finish_span=False` the caller ends the span (`end_span`), so that evaluation results can be
+        added to it first. Raises OverBudget, before calling, when the
         route's `shadow.max_usd_per_hour` is spent, or the share of it of the candidate `share`
         (the one whose evaluation this call is for, on a route with several)."""
         self.spend.check(route, share=share)

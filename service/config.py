@@ -402,6 +402,8 @@ class KafkaConfig(Strict):
     partitions: int = Field(6, ge=1)
     linger_ms: int = Field(5, ge=0)
     compression_type: Literal["gzip", "lz4", "snappy", "zstd"] | None = "gzip"
+    # retention.ms of the event topics when the service creates them (null: the broker's default)
+    retention_hours: TopicRetention = TopicRetention()
 
     def compression_problem(self) -> str | None:
         """Why `compression_type` can't be used here: its codec's library is not installed."""
@@ -414,8 +416,6 @@ class KafkaConfig(Strict):
             return None
         return (f"events.kafka.compression_type: {self.compression_type!r} needs the Python package {package!r}, "
                 "which is not installed (or use gzip)")
-    # retention.ms of the event topics when the service creates them (null: the broker's default)
-    retention_hours: TopicRetention = TopicRetention()
 
 
 class SpoolConfig(Strict):
