@@ -44,7 +44,7 @@ def config(base_url: str) -> dict:
                                           "max_tokens": 200}}},
         "routes": {ROUTE: {"stable": "stable-m", "candidate": "candidate-m",
                            "shadow": {"sample_rate": 1.0, "noise_floor": True, "stability": {"sample_rate": 0.0},
-                                      "judge": {"model": "judge-m", "sample_rate": 0.25}},
+                                      "judge": {"model": "judge-m", "sample_rate": 0.5}},
                            "rollout": {"mode": "advisory"}}},
         "control": {"interval_s": 0.5, "report_interval_s": 1.0},
     }
@@ -88,7 +88,7 @@ def test_similarity_and_the_pairwise_judge_on_real_answers(llama_server, servers
     verdicts = {c: {r: metric_value(text, "modelcanary_shadow_judge_total", route=ROUTE, comparison=c, result=r)
                     for r in ("win", "tie", "loss", "error")} for c in ("candidate", "noise_floor")}
     judged = sum(verdicts["candidate"].values())
-    assert judged >= 2, verdicts  # ~a quarter of the records are judged
+    assert judged >= 2, verdicts  # ~half the records are judged (fewer than 2 of 24: p < 2e-6; at 0.25 it was ~1%)
     assert sum(verdicts["candidate"][r] for r in ("win", "tie", "loss")) >= 1, verdicts  # JSON by the schema
 
     quality = wait_for(lambda: ((report(proxy.url).get("shadow") or {}).get("segments") or {}).get("overall", {})
