@@ -299,3 +299,34 @@ def test_the_cli_addresses_a_route_with_a_slash_on_a_running_proxy(servers, caps
     assert status == 200 and body["route"] == SLASHED and body["phase"] == "paused", body
     assert cli.act(proxy.url, TOKEN, SLASHED, "resume") == 0
     assert call("GET", "/admin/rollouts/acme%2Fsupport-bot")[1]["phase"] == "shadow"
+
+
+def test_the_cli_never_drops_an_empty_segment_and_shows_what_the_traffic_gets(servers, capsys):
+    """`--segment ""` (an unset shell variable) is the server's 400, not an action on every segment; a
+    route without a candidate gets 0% of anything (it starts `promoted`: its stable is all there is)."""
+    from service.admin import cli
+
+    cfg = proxy_config("http://127.0.0.1:9", rollout={"scope": "segment"})
+    cfg["routes"]["plain"] = {"stable": "stable-m"}
+    proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+
+    def segments() -> dict:
+        req = urllib.request.Request(proxy.url + f"/admin/rollouts/{ROUTE}", headers=AUTH)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return {name: seg["phase"] for name, seg in json.loads(r.read())["segments"].items()}
+
+    assert cli.act(proxy.url, TOKEN, ROUTE, "promote", segment="billing") == 0
+    assert "segment billing: promote → phase canary, weight 1%, step 1 (candidate-m)" in capsys.readouterr().out
+    before = segments()
+    assert cli.act(proxy.url, TOKEN, ROUTE, "rollback", segment="") == 1
+    assert "segment is empty" in capsys.readouterr().err
+    assert segments() == before and "rolled_back" not in before.values()
+    assert cli.act(proxy.url, TOKEN, ROUTE, "rollback", segment="search") == 0  # from shadow: no step taken
+    assert "segment search: rollback → phase rolled_back, weight 0%, step –" in capsys.readouterr().out
+
+    assert cli.status(proxy.url, TOKEN, "plain") == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "plain" in line)
+    assert "promoted" in row and " 0% " in row and "100%" not in row, row
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as r:
+        exported = r.read().decode()
+    assert 'modelcanary_rollout_canary_weight_ratio{route="plain"} 0.0' in exported

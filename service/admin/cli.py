@@ -168,30 +168,39 @@ def _state_cells(s: dict) -> tuple:
         phase_t = Text(f"paused (from {s['paused_from']})", style=PHASE_STYLE["paused"])
     else:
         phase_t = Text(phase, style=PHASE_STYLE.get(phase, ""))
-    weight = s.get("canary_weight", 0.0) if phase != "promoted" else 1.0
-    step = s.get("step_index", -1)
     decision = _decision_text(s.get("last_decision"))
     rec = s.get("recommendation")
     if rec:
         decision.append("\n")
         decision.append_text(_decision_text(rec, "judge now:"))
-    return (phase_t, f"{100 * weight:.0f}%", "–" if step is None or step < 0 else str(step + 1),
-            _ago(s.get("since")), decision)
+    return (phase_t, f"{100 * _candidate_share(s):.0f}%", _step_text(s), _ago(s.get("since")), decision)
+
+
+def _candidate_share(s: dict) -> float:
+    """The share of live traffic a route's (or a segment's) candidate gets: all of it once promoted;
+    none on a route without a candidate (which shows as promoted: its stable is all there is)."""
+    if not s.get("candidate") or s.get("phase") == "rolled_back":
+        return 0.0
+    return 1.0 if s.get("phase") == "promoted" else float(s.get("canary_weight", 0.0))
+
+
+def _step_text(s: dict) -> str:
+    step = s.get("step_index", -1)
+    return "–" if step is None or step < 0 else str(step + 1)
 
 
 # ---- promote | pause | resume | rollback --------------------------------------------------------------
 
 def act(url: str, token: str | None, route: str, action: str, segment: str | None = None) -> int:
-    query = f"?segment={_q(segment)}" if segment else ""
+    query = f"?segment={_q(segment)}" if segment is not None else ""  # an empty one: the server's 400
     try:
         state = _request("POST", url, f"/admin/rollouts/{_q(route)}/{_q(action)}{query}", token)
     except AdminError as e:
         return _fail(e)
     shown = (state.get("segments") or {}).get(segment) if segment else state
     where = f"{route} segment {segment}" if segment else route
-    weight = shown.get("canary_weight", 0.0) if shown.get("phase") != "promoted" else 1.0
-    print(f"{where}: {action} → phase {shown.get('phase')}, weight {100 * weight:.0f}%, "
-          f"step {shown.get('step_index', -1) + 1}" + (f" ({shown['candidate']})" if shown.get("candidate") else ""))
+    print(f"{where}: {action} → phase {shown.get('phase')}, weight {100 * _candidate_share(shown):.0f}%, "
+          f"step {_step_text(shown)}" + (f" ({shown['candidate']})" if shown.get("candidate") else ""))
     return 0
 
 

@@ -48,6 +48,14 @@ def split_of(state: RolloutState) -> Split:
     return Split(state.stable, state.candidate, state.canary_weight)
 
 
+def candidate_share(state: RolloutState) -> float:
+    """The share of live traffic the route's candidate gets (`rollout_canary_weight_ratio`): none on a
+    route without one, which starts `promoted` (its stable is all there is)."""
+    if state.candidate is None or state.phase == "rolled_back":
+        return 0.0
+    return 1.0 if state.phase == "promoted" else state.canary_weight
+
+
 def _segment_split(stable: str, seg: SegmentState) -> Split:
     if seg.candidate is None or seg.phase == "rolled_back":
         return Split(stable, None, 0.0)
@@ -345,7 +353,7 @@ class RolloutBook:
     def _set(self, state: RolloutState) -> None:
         self.states[state.route] = state
         self.routing[state.route] = split_of(state)
-        metrics.set_rollout(state.route, state.phase, state.canary_weight if state.phase != "promoted" else 1.0)
+        metrics.set_rollout(state.route, state.phase, candidate_share(state))
         for name, seg in state.segments.items():
             metrics.set_segment_rollout(state.route, name, seg.phase, seg.canary_weight)
 
