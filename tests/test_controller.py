@@ -19,7 +19,7 @@ from service.config import parse_config
 from service.records import OutcomeEvent
 from service.rollout.book import RolloutBook
 from service.rollout.controller import Controller
-from service.rollout.notify import safe_url, webhook_payload
+from service.rollout.notify import Notifier, safe_url, webhook_payload
 from tests.judge_traffic import BAD_TOOLS, make_config, traffic
 
 pytestmark = pytest.mark.anyio
@@ -221,6 +221,30 @@ async def test_webhook_failure_is_logged_not_raised(caplog):
     assert any("webhook" in r.message for r in caplog.records)
 
 
+async def test_each_segments_phase_or_step_change_is_posted_naming_it():
+    """rollout.scope segment: each segment steps on its own, so each of its changes is a POST naming it;
+    the route's phase (their summary) changing is one more, with no step of its own."""
+    async with webhook_receiver() as (url, received, _):
+        cfg = make_config(rollout={"scope": "segment"}, notify={"webhook_url": url})
+        bus, book = MemoryBus(), RolloutBook(cfg)
+        controller = Controller(cfg, bus, book)
+        stop, task = await start(controller)
+        book.operate("bot", "promote", by="operator", segment="json")  # json and the route: shadow → canary
+        book.operate("bot", "promote", by="operator", segment="json")  # json: its second step
+        book.operate("bot", "rollback", by="operator", segment="tools")
+        await controller.notifier.drain(10)
+        stop.set()
+        await task
+    posted = sorted((b["segment"] or "", b["from"], b["to"], b["step_index"]) for b in received)
+    assert posted == [("", "shadow", "canary", -1), ("json", "canary", "canary", 1), ("json", "shadow", "canary", 0),
+                      ("tools", "shadow", "rolled_back", -1)], posted
+    texts = {b["text"] for b in received}
+    assert "modelcanary: route bot shadow → canary: promote by operator in segment json" in texts  # no step:
+    # the segments step, each on its own
+    assert "modelcanary: route bot segment json canary → canary step 2 (50%): promote by operator in segment json" \
+        in texts, texts
+
+
 def test_webhook_payload_names_the_step():
     cfg = make_config()
     book = RolloutBook(cfg)
@@ -318,7 +342,7 @@ async def test_a_webhook_url_that_does_not_parse_fails_quietly_without_its_secre
     caplog.set_level(logging.DEBUG)
     cfg = make_config()
     bus, book = MemoryBus(), RolloutBook(cfg)
-    controller = Controller(cfg, bus, book, notify_url=SECRET_HOOK)  # the config refuses it; a caller need not
+    controller = Controller(cfg, bus, book, Notifier(SECRET_HOOK))  # the config refuses it; a Notifier need not
     book.operate("bot", "pause")  # a phase change: the webhook task starts, nobody drains it
     tasks = list(controller.notifier._tasks)
     assert tasks

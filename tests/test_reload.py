@@ -137,3 +137,57 @@ def test_reload_applies_tracing_to_live_calls(servers):
         assert "gen_ai.input.messages" not in after and "gen_ai.output.messages" not in after, after
     finally:
         receiver.close()
+
+
+def test_a_reload_moves_or_stops_the_webhook_and_an_action_posts_once(servers):
+    """Memory mode: the embedded controller posts to the webhook the config names now; an operator's
+    action is one POST (the admin API leaves it to the controller)."""
+    import http.server
+    import threading
+
+    posted: list[tuple[str, dict]] = []
+    arrived = threading.Condition()
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with arrived:
+                posted.append((self.path, body))
+                arrived.notify_all()
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{hook.server_address[1]}"
+
+    def posts_after(action: str, phase: str) -> list[str]:
+        """The paths POSTed for `action`, which moves the route to `phase`: once its POST came, or 3 s
+        passed without one."""
+        assert call(proxy, "POST", f"/admin/rollouts/support-bot/{action}")[0] == 200
+        with arrived:
+            arrived.wait_for(lambda: any(b["to"] == phase for _, b in posted), timeout=3)
+            mine = [path for path, b in posted if b["to"] == phase]
+            posted.clear()
+        return mine
+
+    def notify(url: str | None) -> None:
+        cfg = yaml.safe_load(proxy.config_path.read_text())
+        cfg["notify"] = {"webhook_url": url}
+        proxy.config_path.write_text(yaml.safe_dump(cfg))
+        assert call(proxy, "POST", "/admin/reload")[0] == 200
+
+    try:
+        sim = servers.simulator()
+        proxy = servers.proxy(proxy_config(sim.url) | {"notify": {"webhook_url": base + "/old"}},
+                              env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+        assert posts_after("pause", "paused") == ["/old"]  # once
+        notify(base + "/new")
+        assert posts_after("resume", "shadow") == ["/new"]
+        notify(None)
+        assert posts_after("pause", "paused") == []
+    finally:
+        hook.shutdown()

@@ -131,7 +131,8 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
             return openai_error(409, str(e), code="invalid_transition")
         except UnknownSegment as e:
             return openai_error(404, str(e), param="segment", code="segment_not_found")
-        runtime.notifier.changed(state, before)
+        if runtime.config.events.backend == "kafka":  # memory mode: the embedded controller notifies every change
+            runtime.notifier.changed(state, before)
         audit.info("operator action=%s route=%s segment=%s phase=%s weight=%.3f client=%s", action, route,
                    (segment or "-")[:64], state.phase, state.canary_weight, request.client.host if request.client else "-")
         return JSONResponse(_public(state))

@@ -139,8 +139,9 @@ class Runtime:
         self._shadow: asyncio.Task | None = None
         self._shadow_reloads: asyncio.Queue[Config] = asyncio.Queue()
         self._owners_task: asyncio.Task | None = None
-        # Kafka mode: this replica notifies the operator actions it takes (the leader, if any, notifies its own)
-        self.notifier = Notifier(config.notify.webhook_url if kafka else None)
+        # memory mode: the embedded controller's; Kafka mode: for the operator actions this replica takes
+        # (the leader, if any, notifies its own decisions)
+        self.notifier = Notifier(config.notify.webhook_url)
 
     def _publish_rollout(self, state: RolloutState) -> None:
         self.bus.publish("rollouts", state)
@@ -152,7 +153,7 @@ class Runtime:
             self.tasks.append(asyncio.create_task(follow(bus, self.book, self.stop, self.caught_up), name="rollouts"))
             self._follow_owners()
         else:
-            controller = Controller(self.config, self.bus, self.book, self.config.notify.webhook_url)
+            controller = Controller(self.config, self.bus, self.book, self.notifier)
             if self.recent_traffic is not None:
                 self.tasks.append(asyncio.create_task(self.recent_traffic.run(self.bus, self.stop),
                                                       name="recent-traffic"))
@@ -222,8 +223,7 @@ class Runtime:
                 if old is not None:
                     asyncio.get_running_loop().create_task(old.close())
         self.config = config
-        if config.events.backend == "kafka":
-            self.notifier.url = config.notify.webhook_url
+        self.notifier.url = config.notify.webhook_url
         self.sampler.reload(config)
         self.recorder.reload(config)
         self.proxy.reload(config)

@@ -50,12 +50,14 @@ PAUSED_WAIT_S = 0.2         # how often a paused controller (`may_decide` False)
 class Controller:
     """Per route: evidence, the judge's latest verdict, and the capability-matrix report."""
 
-    def __init__(self, config: Config, bus: EventBus, book: RolloutBook, notify_url: str | None = None, *,
+    def __init__(self, config: Config, bus: EventBus, book: RolloutBook, notifier: Notifier | None = None, *,
                  report_interval_s: float | None = None, clock: Callable[[], float] = time.time):
+        """`notifier`: whose webhook the changes go to (the proxy's in memory mode, which a reload
+        updates); else one of `config.notify.webhook_url`."""
         self._config = config
         self.bus = bus
         self.book = book
-        self.notifier = Notifier(notify_url if notify_url is not None else config.notify.webhook_url)
+        self.notifier = notifier if notifier is not None else Notifier(config.notify.webhook_url)
         # the interval bounds the reports topic in Kafka mode; in memory mode no topic grows
         default_interval = config.control.report_interval_s if config.events.backend == "kafka" else MAX_INTERVAL_S
         self.report_interval_s = report_interval_s or default_interval

@@ -9,7 +9,7 @@ import urllib.parse
 
 import aiohttp
 
-from service.records import RolloutState, dump
+from service.records import Phase, RolloutState, SegmentState, dump
 
 log = logging.getLogger("modelcanary.rollout")
 
@@ -40,11 +40,19 @@ def safe_url(url: object) -> str:
     return f"{scheme if _SCHEME.fullmatch(scheme) else '?'}://{host if _HOST.fullmatch(host) else '?'}{port}/…"
 
 
-def webhook_payload(new: RolloutState, old: RolloutState) -> dict:
-    d = new.last_decision
+def webhook_payload(new: RolloutState, old: RolloutState, segment: str | None = None) -> dict:
+    """The POST for a change of the route's phase or step, or of one segment's (rollout.scope: segment,
+    where each segment steps on its own and the route's phase sums them up)."""
+    cur: RolloutState | SegmentState
+    if segment is None:
+        cur, was, where, show_step = new, old.phase, "", new.scope != "segment"
+    else:
+        cur, was, where, show_step = new.segments[segment], _phase_step(old.segments.get(segment))[0], \
+            f" segment {segment}", True
+    d = cur.last_decision
     reasons = list(d.reasons) if d else []
-    step = f" step {new.step_index + 1} ({new.canary_weight * 100:g}%)" if new.phase == "canary" else ""
-    text = f"modelcanary: route {new.route} {old.phase} → {new.phase}{step}"
+    step = f" step {cur.step_index + 1} ({cur.canary_weight * 100:g}%)" if cur.phase == "canary" and show_step else ""
+    text = f"modelcanary: route {new.route}{where} {was} → {cur.phase}{step}"
     if reasons:
         text += ": " + reasons[0]
     state = dump(new)
@@ -52,16 +60,22 @@ def webhook_payload(new: RolloutState, old: RolloutState) -> dict:
     return {
         "event": "rollout_changed",
         "route": new.route,
-        "from": old.phase,
-        "to": new.phase,
-        "step_index": new.step_index,
-        "canary_weight": new.canary_weight,
+        "segment": segment,
+        "from": was,
+        "to": cur.phase,
+        "step_index": cur.step_index,
+        "canary_weight": cur.canary_weight,
         "decision": d.decision if d else None,
         "by": d.by if d else None,
         "reasons": reasons,
         "text": text,
         "state": state,
     }
+
+
+def _phase_step(seg: SegmentState | None) -> tuple[Phase, int]:
+    """A segment's phase and step; one without a state yet is in shadow."""
+    return (seg.phase, seg.step_index) if seg is not None else ("shadow", -1)
 
 
 class Notifier:
@@ -73,18 +87,23 @@ class Notifier:
         self._tasks: set[asyncio.Task] = set()
 
     def changed(self, new: RolloutState, old: RolloutState | None) -> None:
+        """A POST for the route's phase or step change, and one for each segment's."""
         if not self.url or old is None:
             return
-        if new.phase == old.phase and new.step_index == old.step_index:
+        changes: list[str | None] = [None] if (new.phase, new.step_index) != (old.phase, old.step_index) else []
+        changes += [name for name, seg in new.segments.items()
+                    if _phase_step(seg) != _phase_step(old.segments.get(name))]
+        if not changes:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             log.warning("webhook for %s skipped: no event loop", new.route)
             return
-        task = loop.create_task(self._post(webhook_payload(new, old)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        for segment in changes:
+            task = loop.create_task(self._post(webhook_payload(new, old, segment)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _post(self, payload: dict) -> None:
         url = self.url
