@@ -435,6 +435,10 @@ def test_feedback_and_passthrough(stack):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "success"
+    for method in ("GET", "PUT"):  # the proxy's own endpoint: never taken for an upstream's
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(proxy.url + "/v1/feedback", method=method, data=b"{}"))
+        assert e.value.code == 405 and e.value.headers["allow"] == "POST", method
     text = scrape(proxy.url)
     assert metric_value(text, "modelcanary_feedback_total", route="support-bot", outcome="failure") == 1
     assert metric_value(text, "modelcanary_feedback_total", route="support-bot", outcome="success") == 1

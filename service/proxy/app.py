@@ -318,6 +318,8 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def passthrough(request: Request, path: str) -> Response:
+        if path == "feedback":  # the proxy's own endpoint, never an upstream's: POST only
+            return openai_error(405, "Method Not Allowed", headers={"Allow": "POST"})
         return await proxy.passthrough(request, path)
 
     @app.exception_handler(StarletteHTTPException)
