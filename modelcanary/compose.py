@@ -61,7 +61,8 @@ def replay(args) -> int:
     """`modelcanary replay DATASET --candidate KEY`: offline, judged like a shadow rollout."""
     from collectors.golden.commands import replay as run
 
-    return run(args.dataset, args.candidate, args.stable, args.repeats, args.config, args.json, args.against_report)
+    return run(args.dataset, args.candidate, args.stable, args.repeats, args.config, args.json, args.against_report,
+               args.route)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -323,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidate", required=True, help="a model key from the config's models")
     p.add_argument("--stable", help="the model asked again for the noise floor (default: the route's stable)")
     p.add_argument("--repeats", type=int, help="ask each model k times per case (stability); 1: no stability")
+    p.add_argument("--route", action="append", help="replay this route's cases only (repeatable; default: every "
+                   "route whose stable model speaks the candidate's API)")
     p.add_argument("--config", help="providers and models (default: $MODELCANARY_CONFIG)")
     p.add_argument("--json", action="store_true", help="the full result, with repro, as JSON on stdout")
     p.add_argument("--against-report", metavar="URL",

@@ -145,9 +145,9 @@ def test_capture_from_memory_proxy_redacts_and_keeps_no_credential(servers, tmp_
     assert {s: sum(1 for c in dataset.load(capped) if c.segment == s) for s in ("tools", "chat")} == \
         {"tools": 5, "chat": 5}
     before = tmp_path / "before.jsonl"
-    code, out, _ = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out",
-                                       str(before), "--until", str(started - 1)])
-    assert code == 0 and "wrote 0 cases" in out, out
+    code, out, err = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out",
+                                         str(before), "--until", str(started - 1)])
+    assert code == 1 and "0 cases from" in out and "no case to write" in err and not before.exists(), (out, err)
     code, _, err = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--out", str(before),
                                        "--since", "yesterday"])
     assert code == 2 and "--since: 'yesterday' is not a time" in err
@@ -488,9 +488,76 @@ def test_a_malformed_dataset_is_refused_naming_the_line_and_field(tmp_path, caps
     mixed["models"]["claude-m"] = {"provider": "claude", "name": "claude"}
     code, _, err = in_process(capsys, ["replay", str(ok), "--candidate", "claude-m", "--config",
                                        str(write_yaml(tmp_path / "mixed.yaml", mixed))])
-    assert code == 2 and "--candidate: route 'support-bot': stable 'stable-m' is served by an api: openai" in err, err
+    assert code == 2 and "--candidate: no route of the dataset can be replayed against it: route 'support-bot': " \
+        "stable 'stable-m' is served by an api: openai" in err, err
     code, _, err = in_process(capsys, ["dataset", "stats", str(path)])
     assert code == 2 and "line 3" in err
+    # what replay would send or read as a number, refused when the file is read
+    odd = [good.replace('"a"', '"h1"').replace('"request":', '"headers":{"host":"evil"},"request":'),
+           good.replace('"a"', '"h2"').replace('"request":', '"headers":{"anthropic-beta":"x\\r\\nhost: evil"},"request":'),
+           good.replace('"a"', '"u1"').replace('"request":', '"live":{"model":"stable-m","status":200,"latency_s":0.1,'
+                                              '"usage":{"prompt_tokens":"x"},"outcome":"completed"},"request":')]
+    path.write_text("\n".join(odd) + "\n")
+    code, _, err = in_process(capsys, ["dataset", "stats", str(path)])
+    assert code == 2, err
+    assert "line 1: headers: 'host': only the client's anthropic-* headers are repeated" in err, err
+    assert "line 2: headers: 'anthropic-beta': the value has a line break" in err, err
+    assert "line 3: live: usage.prompt_tokens must be a whole number of tokens, got 'x'" in err, err
+
+
+def test_text_with_unicode_line_separators_is_read_back_as_written(tmp_path):
+    """capture writes JSON without escaping U+2028 / U+0085 (ensure_ascii=False); they are no line ends."""
+    cases = [dataset.Case(request_id="ls", route=ROUTE, request={"messages": [
+        {"role": "user", "content": "first line\u2028second line\u0085third\r\n"}]}),
+             dataset.Case(request_id="two", route=ROUTE, request=chat_request(2))]
+    path = tmp_path / "ls.jsonl"
+    assert dataset.write(path, cases) == 2
+    assert "\u2028" in path.read_text(encoding="utf-8")
+    back = dataset.load(path)
+    assert [c.request for c in back] == [c.request for c in cases]
+
+
+def test_replay_refuses_a_case_in_no_segment_and_leaves_out_routes_on_another_api(tmp_path, capsys):
+    """A case whose segment the route does not know would count in no verdict: refused, naming it. A
+    dataset captured from routes on two APIs replays the routes the candidate can serve, saying which it
+    leaves out; --route picks routes."""
+    cfg = proxy_config(unreachable_url())
+    cfg["providers"]["claude"] = {"base_url": unreachable_url() + "/v1", "api": "anthropic", "max_retries": 0}
+    cfg["models"]["claude-m"] = {"provider": "claude", "name": "claude"}
+    cfg["routes"]["claude"] = {"stable": "claude-m"}
+    config = str(write_yaml(tmp_path / "two.yaml", cfg))
+    typo = tmp_path / "typo.jsonl"
+    dataset.write(typo, [dataset.Case(request_id="t", route=ROUTE, segment="tool", request=tool_request(1))])
+    code, _, err = in_process(capsys, ["replay", str(typo), "--candidate", "candidate-m", "--config", config])
+    assert code == 2 and "case 1: segment: 'tool' is not a segment of route 'support-bot'; its segments: billing, " \
+        "search, tools, json, long_context, multi_turn, chat" in err, err
+    both = tmp_path / "both.jsonl"
+    claude = {"model": "claude", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+    dataset.write(both, [*(dataset.Case(request_id=f"c{i}", route=ROUTE, request=chat_request(i)) for i in range(3)),
+                         dataset.Case(request_id="a1", route="claude", request=claude)])
+    code, out, err = in_process(capsys, ["replay", str(both), "--candidate", "candidate-m", "--config", config])
+    assert "replay: route claude left out: stable 'claude-m' is served by an api: anthropic provider" in err, err
+    assert code == 2 and f"route {ROUTE}: no case got an answer from the candidate" in err  # replayed (nobody answers)
+    code, _, err = in_process(capsys, ["replay", str(both), "--candidate", "candidate-m", "--config", config,
+                                       "--route", "claude"])
+    assert code == 2 and "--candidate: route 'claude': stable 'claude-m' is served by an api: anthropic" in err, err
+    code, _, err = in_process(capsys, ["replay", str(both), "--candidate", "candidate-m", "--config", config,
+                                       "--route", "nope"])
+    assert code == 2 and "--route: 'nope' is not a route of the config" in err, err
+
+
+def test_a_replay_that_fails_exits_2_never_1(tmp_path, capsys, monkeypatch, caplog):
+    """Exit 1 says "confidently worse": a CI gate must never read a crash as a verdict."""
+    from collectors.golden import commands
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(commands, "run", broken)
+    golden = chat_cases(tmp_path / "golden.jsonl")
+    config = write_yaml(tmp_path / "c.yaml", proxy_config(unreachable_url()))
+    code, _, _ = in_process(capsys, ["replay", str(golden), "--candidate", "candidate-m", "--config", str(config)])
+    assert code == 2 and "the replay failed; no verdict" in caplog.text
 
 
 def test_segment_verdicts_and_where_offline_and_live_differ():
@@ -654,6 +721,21 @@ def test_replay_against_report_compares_only_the_routes_that_canary_the_candidat
     assert routes[ROUTE]["against_report"] and routes[ROUTE]["against_report_skipped"] is None
     assert routes["billing-bot"]["against_report"] is None
     assert "canaries 'other-m'" in routes["billing-bot"]["against_report_skipped"]
+
+    monkeypatch.delenv("MODELCANARY_ADMIN_TOKEN", raising=False)  # replay has no --token: the hint names the variable
+    code, _, err = in_process(capsys, ["replay", str(golden), "--candidate", "candidate-m", "--config",
+                                       str(proxy.config_path), "--against-report", proxy.url])
+    assert code == 2 and "HTTP 401" in err and "(set MODELCANARY_ADMIN_TOKEN)" in err and "--token" not in err, err
+    # a capture that selects nothing leaves the curated file as it was
+    before = golden.read_bytes()
+    r = cli(["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out", str(golden),
+             "--since", "2000-01-01T00:00:00Z", "--until", "2000-01-02T00:00:00Z"], env)
+    assert r.returncode == 1 and f"no case to write; {golden} was not written" in r.stderr, r.stderr
+    assert golden.read_bytes() == before
+    r = cli(["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out", str(golden),
+             "--since", "1h", "--until", "2h"], env)
+    assert r.returncode == 2 and "--since 1h is not before --until 2h" in r.stderr, r.stderr
+    assert golden.read_bytes() == before
 
     monkeypatch.setenv("MODELCANARY_ADMIN_TOKEN", token)
     code, _, err = in_process(capsys, ["replay", str(golden), "--candidate", "stable-m", "--config",

@@ -1,9 +1,10 @@
 """`modelcanary capture | dataset stats | replay`: flags in, exit code out (modelcanary/compose.py calls these).
 
 Exit codes: 0 done (replay: nothing confidently worse), 1 replay found something confidently worse
-(capture: the records could not be read), 2 bad input (a flag, the config, the dataset, the
-live report to compare with) or a replay that could not compare anything on a route (the
-candidate or the stable model answered none of its cases), with the problem on stderr.
+(capture: the records could not be read, or none was selected), 2 bad input (a flag, the config,
+the dataset, the live report to compare with), a replay that could not compare anything on a route
+(the candidate or the stable model answered none of its cases) or that failed, with the problem on
+stderr.
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ from rich.console import Console
 
 from collectors.golden import capture as capturing
 from collectors.golden import dataset, printing, sources, verdicts
-from collectors.golden.replay import ReplayInputError, RouteRun, Unanswered, repro, run, shadow_summary, unanswered
+from collectors.golden.replay import (
+    ReplayInputError,
+    RouteRun,
+    Unanswered,
+    repro,
+    run,
+    servable,
+    shadow_summary,
+    unanswered,
+)
 from service.admin.cli import AdminError, BadURLError, check_url, get_report
 from service.config import Config, ConfigError, load_config
 from service.records import dump
@@ -81,6 +91,8 @@ def capture(config_path: str, out: str, per_segment: int | None, since: str | No
         t0, t1 = parse_time("--since", since), parse_time("--until", until)
     except (ReplayInputError, ValueError) as e:
         return _bad(str(e))
+    if t0 is not None and t1 is not None and t0 >= t1:
+        return _bad(f"--since {since} is not before --until {until}: no traffic is in between")
     if per_segment is not None and per_segment < 1:
         return _bad(f"--per-segment: must be at least 1, got {per_segment}")
     try:
@@ -95,13 +107,15 @@ def capture(config_path: str, out: str, per_segment: int | None, since: str | No
         print(f"error: {e}", file=sys.stderr)
         return 1
     sel = capturing.select(records, config, per_segment, t0, t1)
+    print(f"captured from {where}: {sel.summary()}" + (f"; {bad} undecodable records skipped" if bad else ""))
+    if not sel.cases:  # a curated file of the same name stays as it was
+        print(f"error: no case to write; {out} was not written", file=sys.stderr)
+        return 1
     try:
         n = dataset.write(out, sel.cases)
     except OSError as e:
         return _bad(f"--out: cannot write {out!r}: {e.strerror or e}")
-    print(f"captured from {where}: {sel.summary()}" + (f"; {bad} undecodable records skipped" if bad else ""))
-    if n:
-        printing.console().print(printing.stats_table(dataset.stats(sel.cases)))
+    printing.console().print(printing.stats_table(dataset.stats(sel.cases)))
     print(f"wrote {n} cases to {out}")
     return 0
 
@@ -141,7 +155,7 @@ def dataset_stats(path: str) -> int:
 # ---- replay -------------------------------------------------------------------------------------------
 
 def replay(dataset_path: str, candidate: str, stable: str | None, repeats: int | None, config_path: str | None,
-           as_json: bool, against_report: str | None) -> int:
+           as_json: bool, against_report: str | None, routes: list[str] | None = None) -> int:
     try:
         cases = dataset.load(dataset_path)
     except dataset.DatasetError as e:
@@ -152,22 +166,28 @@ def replay(dataset_path: str, candidate: str, stable: str | None, repeats: int |
         return _bad("replay needs --config FILE (or MODELCANARY_CONFIG): the providers and models to ask")
     try:
         config = _config(config_path)
+        cases, left_out = servable(cases, config, candidate, stable, routes)
         live = _live_reports(against_report, {c.route for c in cases}, candidate)
     except ReplayInputError as e:
         return _bad(str(e))
+    for route, why in left_out.items():
+        print(f"replay: route {route} left out: {why} (name the routes to replay with --route)", file=sys.stderr)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     reporter = printing.Reporter("replay")
     try:
         runs, client = asyncio.run(run(cases, config, candidate, stable, repeats, reporter))
     except ReplayInputError as e:
         return _bad(str(e))
+    except Exception:  # never exit 1 (which says "worse") for a failure of the replay itself
+        logging.getLogger("modelcanary.replay").exception("the replay failed; no verdict")
+        return BAD_INPUT
     finally:
         reporter.close()
     results, worse, silent = _judged(runs, live, candidate, config, None if as_json else printing.console())
     code = BAD_INPUT if silent else 1 if worse else 0
     if as_json:
         body = {"schema": "modelcanary.replay/v1", "dataset": dataset_path, "candidate": candidate,
-                "exit_code": code, "routes": results,
+                "exit_code": code, "routes": results, "routes_left_out": left_out,
                 "records": [dump(r) for rr in runs.values() for r in rr.records],
                 "repro": repro(runs, client, config, Path(dataset_path), repeats)}
         print(json.dumps(finite(body), indent=2))
@@ -244,7 +264,8 @@ def _live_reports(url: str | None, routes: set[str], candidate: str) -> LiveRepo
     waiting = []     # routes that canary the candidate but have no report yet
     for route in sorted(routes):
         try:
-            body = get_report(url, os.environ.get(TOKEN_ENV), route, flag="--against-report")
+            body = get_report(url, os.environ.get(TOKEN_ENV), route, flag="--against-report",
+                              token_hint=f"set {TOKEN_ENV}")
         except AdminError as e:
             message = str(e) if isinstance(e, BadURLError) else f"--against-report: {e}"
             raise ReplayInputError(message) from None

@@ -84,6 +84,25 @@ class Case(Strict):
     checks: CaseChecks | None = None
     tags: list[str] = []
 
+    @field_validator("headers")
+    @classmethod
+    def _repeatable_headers(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for name, value in (v or {}).items():
+            if not name.lower().startswith("anthropic-"):
+                raise ValueError(f"{name!r}: only the client's anthropic-* headers are repeated")
+            if "\r" in value or "\n" in value:
+                raise ValueError(f"{name!r}: the value has a line break")
+        return v
+
+    @field_validator("live")
+    @classmethod
+    def _token_counts(cls, v: PrimaryResult | None) -> PrimaryResult | None:
+        for key in ("prompt_tokens", "completion_tokens"):
+            n = (v.usage or {}).get(key) if v is not None else None
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+                raise ValueError(f"usage.{key} must be a whole number of tokens, got {n!r}")
+        return v
+
     @property
     def check_kinds(self) -> list[str]:
         return self.checks.kinds if self.checks is not None else []
@@ -131,7 +150,7 @@ def load(path: str | Path) -> list[Case]:
     cases: list[Case] = []
     problems: list[str] = []
     first_line: dict[str, int] = {}
-    for n, line in enumerate(text.splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 may stand in a string
         if not line.strip():
             continue
         try:

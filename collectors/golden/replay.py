@@ -35,7 +35,7 @@ from collectors.worker import ShadowClient, ShadowWorker
 from service import __version__
 from service.bus.memory import MemoryBus
 from service.config import Config, RouteConfig
-from service.judge.catalog import SHADOW_CANDIDATE, MetricSpec, comparisons_budget
+from service.judge.catalog import SHADOW_CANDIDATE, MetricSpec, comparisons_budget, route_segments
 from service.judge.comparisons import FixedBoundary, PairedMeanTest, compare
 from service.judge.decide import Comparison, evaluate
 from service.judge.evidence import RouteEvidence
@@ -146,11 +146,45 @@ def replay_config(config: Config, routes: set[str], candidate: str, stable: str 
 
 
 def check_cases(cases: list[Case], config: Config) -> None:
+    """Every case on a route of the config, in one of its segments (a case in none would count in no
+    segment's verdict)."""
     unknown = sorted({c.route for c in cases} - set(config.routes))
     if unknown:
         first = next(i for i, c in enumerate(cases, start=1) if c.route in unknown)
         raise ReplayInputError(f"case {first}: route: {unknown[0]!r} is not a route of the config; routes: "
                                f"{', '.join(sorted(config.routes))}")
+    for i, case in enumerate(cases, start=1):
+        known = [s for s in route_segments(config.routes[case.route]) if s != "overall"]
+        if case.segment not in known:
+            raise ReplayInputError(f"case {i}: segment: {case.segment!r} is not a segment of route {case.route!r}; "
+                                   f"its segments: {', '.join(known)}")
+
+
+def servable(cases: list[Case], config: Config, candidate: str, stable: str | None,
+             routes: list[str] | None) -> tuple[list[Case], dict[str, str]]:
+    """The cases to replay and the routes left out, with why: with `routes` (--route) those routes'
+    cases, each of which the candidate must be able to serve; else every route's whose stable model
+    speaks the candidate's API (a route on another API is left out, not an error)."""
+    if routes is not None:
+        if unknown := sorted(set(routes) - set(config.routes)):
+            raise ReplayInputError(f"--route: {unknown[0]!r} is not a route of the config; routes: "
+                                   f"{', '.join(sorted(config.routes))}")
+        cases = [c for c in cases if c.route in routes]
+        if not cases:
+            raise ReplayInputError(f"--route: the dataset has no case on {', '.join(map(repr, routes))}")
+    check_cases(cases, config)
+    left_out: dict[str, str] = {}
+    for route in sorted({c.route for c in cases}):
+        stable_key = stable or config.routes[route].stable
+        if {stable_key, candidate} <= config.models.keys() and (why := config.mixed_apis(stable_key, candidate)):
+            if routes is not None:
+                raise ReplayInputError(f"--candidate: route {route!r}: {why}")
+            left_out[route] = why
+    kept = [c for c in cases if c.route not in left_out]
+    if not kept:
+        raise ReplayInputError("--candidate: no route of the dataset can be replayed against it: "
+                               + "; ".join(f"route {r!r}: {why}" for r, why in left_out.items()))
+    return kept, left_out
 
 
 def _event(case: Case, stable: str, config_version: str) -> TrafficEvent:
@@ -173,7 +207,7 @@ def _fresh_reference(record: EvaluationRecord) -> None:
 
 async def run(cases: list[Case], config: Config, candidate: str, stable: str | None, repeats: int | None,
               progress: Callable[[int, int], None]) -> tuple[dict[str, RouteRun], RecordingClient]:
-    """Replay every case; `progress(done, total)` after each one."""
+    """Replay every case (`servable` ones); `progress(done, total)` after each one."""
     check_cases(cases, config)
     routes = {c.route for c in cases}
     cfg = replay_config(config, routes, candidate, stable, repeats)

@@ -54,7 +54,8 @@ def check_url(flag: str, url: str) -> str:
     return url
 
 
-def _request(method: str, url: str, path: str, token: str | None, flag: str = "--url") -> Any:
+def _request(method: str, url: str, path: str, token: str | None, flag: str = "--url",
+             token_hint: str = "pass --token or set MODELCANARY_ADMIN_TOKEN") -> Any:
     full = check_url(flag, url).rstrip("/") + path
     req = urllib.request.Request(full, method=method, data=b"" if method == "POST" else None)
     if token:
@@ -67,7 +68,7 @@ def _request(method: str, url: str, path: str, token: str | None, flag: str = "-
         message = _error_message(e)
         hint = ""
         if e.code == 401 and not token:
-            hint = " (pass --token or set MODELCANARY_ADMIN_TOKEN)"
+            hint = f" ({token_hint})"
         raise AdminError(f"{method} {full}: HTTP {e.code}: {message}{hint}") from None
     except urllib.error.URLError as e:
         raise AdminError(f"cannot reach {full}: {e.reason}") from None
@@ -206,10 +207,12 @@ def act(url: str, token: str | None, route: str, action: str, segment: str | Non
 
 # ---- report -------------------------------------------------------------------------------------------
 
-def get_report(url: str, token: str | None, route: str, flag: str = "--url") -> dict:
+def get_report(url: str, token: str | None, route: str, flag: str = "--url",
+               token_hint: str = "pass --token or set MODELCANARY_ADMIN_TOKEN") -> dict:
     """`GET /admin/rollouts/{route}/report`: {"route", "state", "report"}; AdminError when it fails
-    (BadURLError, naming `flag`, when `url` is not an http(s) URL)."""
-    return _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token, flag)
+    (BadURLError, naming `flag`, when `url` is not an http(s) URL; `token_hint` says where a missing
+    token goes)."""
+    return _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token, flag, token_hint)
 
 
 def report(url: str, token: str | None, route: str, as_json: bool = False) -> int:
