@@ -270,7 +270,7 @@ class Answerer:
     def body_limit(self) -> int:
         return self.limit
 
-    async def answer_chat(self, started, headers, raw, gone) -> PlainTextResponse:
+    async def answer_chat(self, started, headers, raw, gone, on_leave=None) -> PlainTextResponse:
         await self.release.wait()
         self.gone_at_answer.append(gone())
         return PlainTextResponse(f"native {json.loads(raw)['model']} {headers.get('x-n', '')}".strip())
@@ -405,7 +405,7 @@ def test_a_chat_answer_below_asgi_closes_when_http_1_0_or_shutting_down_and_hear
 
 
 class BadHeaderAnswerer(Answerer):
-    async def answer_chat(self, started, headers, raw, gone) -> PlainTextResponse:
+    async def answer_chat(self, started, headers, raw, gone, on_leave=None) -> PlainTextResponse:
         return PlainTextResponse("never sent", headers={"x-upstream": "a\x01b"})
 
 

@@ -523,3 +523,49 @@ def test_upstream_key_from_env_and_client_key_passthrough(servers):
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "x"}])
     assert "sim-secret-key" not in proxy_with_key.output() + passthrough.output()
+
+
+def test_a_client_that_leaves_while_the_upstream_works_is_client_cancelled_when_it_left(servers):
+    """The proxy stops waiting once the client hangs up: the call ends `client_cancelled` (not the
+    provider's timeout that would have come later), its duration is the client's, and it is no longer
+    in flight. On each route in: the chat route below ASGI, chat through ASGI (a chunked body), the
+    Responses API."""
+    slow = copy.deepcopy(SIM_MODEL)
+    slow["latency_s"] = {"median": 4.0, "p95": 4.5}
+    sim = servers.simulator(sim_config({"good-model": slow, "new-model": slow}, time_scale=1.0))
+    cfg = proxy_config(sim.url)
+    cfg["providers"]["sim"]["timeout_s"] = 2  # the provider would time out at 2 s; the clients leave at 0.5 s
+    proxy = servers.proxy(cfg)
+    chat = json.dumps({"model": "support-bot", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    responses = json.dumps({"model": "support-bot", "input": "hi"}).encode()
+    head = b"Host: x\r\nContent-Type: application/json\r\n"
+    requests = [
+        b"POST /v1/chat/completions HTTP/1.1\r\n" + head + b"Content-Length: %d\r\n\r\n%s" % (len(chat), chat),
+        b"POST /v1/chat/completions HTTP/1.1\r\n" + head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (len(chat), chat),
+        b"POST /v1/responses HTTP/1.1\r\n" + head + b"Content-Length: %d\r\n\r\n%s" % (len(responses), responses),
+    ]
+
+    async def leave_after(raw: bytes, wait_s: float) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(raw)
+        await asyncio.sleep(wait_s)
+        assert not reader.at_eof() and not reader._buffer  # no answer yet  # noqa: SLF001
+        writer.close()
+
+    async def all_leave() -> None:
+        await asyncio.gather(*(leave_after(raw, 0.5) for raw in requests))
+
+    left = time.monotonic()
+    asyncio.run(all_leave())
+    text = ""
+    while time.monotonic() - left < 1.8:  # before the provider's timeout, let alone the answer
+        text = scrape(proxy.url)
+        if metric_value(text, "modelcanary_failures_total", cause="client_cancelled", blame="client") == 3:
+            break
+        time.sleep(0.05)
+    assert metric_value(text, "modelcanary_failures_total", cause="client_cancelled", blame="client") == 3, text
+    assert metric_value(text, "modelcanary_failures_total", cause="timeout") == 0
+    assert metric_value(text, "modelcanary_in_flight_requests") == 0
+    assert metric_value(text, "modelcanary_request_duration_seconds_sum") < 3 * 1.2  # each ~0.5 s, as the client saw
+    assert "Traceback" not in proxy.output() and "ERROR" not in proxy.output()

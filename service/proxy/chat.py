@@ -18,6 +18,7 @@ from starlette.responses import Response
 from service import metrics
 from service.config import Checks, Config, ModelConfig
 from service.errors import ErrorResponse, openai_error
+from service.proxy.native import OnLeave, on_leave_in_scope
 from service.proxy.outcome import COMPLETED, Verdict, classify_chat, failed
 from service.proxy.recorder import Call, Recorder
 from service.proxy.retries import RetryDetector
@@ -154,12 +155,13 @@ class Proxy:
         except ClientDisconnect:
             return Response(status_code=499)
         gone = partial(client_gone, request.receive)
-        return await self.answer_chat(started, header_map(request.scope["headers"]), raw, gone)
+        return await self.answer_chat(started, header_map(request.scope["headers"]), raw, gone,
+                                      partial(on_leave_in_scope, request.scope))
 
     async def answer_chat(self, started: float, headers: dict[str, str], raw: bytes,  # noqa: C901 - the hot path stays one function (no call per step per request)
-                          gone: Callable[[], bool]) -> Response:
+                          gone: Callable[[], bool], on_leave: OnLeave | None = None) -> Response:
         """A chat request whose body is in: `headers` with lower-case names, `gone()` whether the client
-        has left."""
+        has left, `on_leave` to be told when it does while the upstream is awaited."""
         request_id = os.urandom(12).hex()
         if self.draining:
             return openai_error(503, "the proxy is shutting down; retry on another replica", code="draining")
@@ -196,7 +198,7 @@ class Proxy:
 
         self._start(call)
         sent = await self.forward(call, provider, "/chat/completions", out, up_headers,
-                                  deadline_s=self.config.providers[model.provider].timeout_s)
+                                  deadline_s=self.config.providers[model.provider].timeout_s, on_leave=on_leave)
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:
@@ -216,24 +218,45 @@ class Proxy:
         self._in_flight_gauge(call.route).inc()
 
     async def forward(self, call: Call, provider: Provider, path: str, data: bytes, headers: dict[str, str],
-                      method: str = "POST", deadline_s: float | None = None,
-                      error: ErrorResponse = openai_error) -> UpstreamReply | Response:
+                      method: str = "POST", deadline_s: float | None = None, error: ErrorResponse = openai_error,
+                      on_leave: OnLeave | None = None) -> UpstreamReply | Response:
         """Send a started call upstream with the retry rules. Returns the upstream's reply, or the error
-        response to send, in the `error` shape (the call's end is then arranged)."""
+        response to send, in the `error` shape (the call's end is then arranged). A client that leaves
+        meanwhile (`on_leave`) ends the wait: the call is `client_cancelled` then, as the client saw it."""
+        task = asyncio.current_task()
+        left = False
+
+        def client_left() -> None:
+            nonlocal left
+            left = True
+            if task is not None:
+                task.cancel()
+
+        if on_leave is not None:
+            on_leave(client_left)
         try:
             attempt = await send_with_retries(
                 provider, path, data, headers, call.stream, self.budgets[call.route], method=method,
                 on_retry=lambda cause, t0, t1: self._on_retry(call, cause, t0, t1), deadline_s=deadline_s)
         except asyncio.CancelledError:
             call.verdict = failed("client_cancelled")
+            if not left:  # the server's own cancel (shutdown): it goes on up
+                self._done(call)
+                raise
+            if task is not None:
+                task.uncancel()
+            call.status = 499  # nginx's "client closed request": no status reached the client
             self._done(call)
-            raise
+            return Response(status_code=499)
         except Exception:
             log.exception("proxy error on request %s", call.request_id)
             call.verdict = failed("proxy_error")
             call.status = 500
             self._done(call)
             return error(500, "internal proxy error", code="proxy_error", headers=self._headers(call))
+        finally:
+            if on_leave is not None:
+                on_leave(None)
         call.upstream_retries = attempt.retries
         if attempt.failure is not None:
             call.verdict = failed(attempt.failure.cause, attempt.failure.detail)
@@ -413,7 +436,7 @@ class Proxy:
         qs = ("?" + request.url.query) if request.url.query else ""
         self._start(call)
         sent = await self.forward(call, provider, upstream_path(request, path) + qs, raw, up_headers,
-                                  method=request.method)
+                                  method=request.method, on_leave=partial(on_leave_in_scope, request.scope))
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:

@@ -24,6 +24,7 @@ from starlette.responses import Response
 from service.proxy.chat import BadRequest, Proxy, _json_or_none, header_map
 from service.proxy.formats import ApiFormat
 from service.proxy.formats.base import untold_usage
+from service.proxy.native import on_leave_in_scope
 from service.proxy.outcome import COMPLETED, Verdict, failed
 from service.proxy.owners import ResponseOwners
 from service.proxy.recorder import Call
@@ -98,7 +99,8 @@ class FormatEndpoint:
 
         proxy._start(call)
         sent = await proxy.forward(call, provider, fmt.path, out, up_headers,
-                                   deadline_s=proxy.config.providers[model.provider].timeout_s, error=fmt.error_response)
+                                   deadline_s=proxy.config.providers[model.provider].timeout_s, error=fmt.error_response,
+                                   on_leave=partial(on_leave_in_scope, request.scope))
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:

@@ -51,20 +51,31 @@ def _status_line(status: int) -> bytes:
 STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
 
 
+# Told of the client leaving while an answer is awaited: `on_leave(callback)` arms it (None disarms); the
+# protocol calls the callback once the connection is lost, so the proxy stops waiting for the upstream.
+OnLeave = Callable[[Callable[[], None] | None], None]
+LEAVE_KEY = "modelcanary.on_leave"  # where an ASGI request's armed callback waits (its scope)
+
+
+def on_leave_in_scope(scope: MutableMapping[str, Any], callback: Callable[[], None] | None) -> None:
+    """`OnLeave` for a request that came through ASGI: the protocol finds the callback in its scope."""
+    scope[LEAVE_KEY] = callback
+
+
 class ChatAnswerer(Protocol):
     """What the protocol asks of the proxy (`service.proxy.chat.Proxy`)."""
 
     def body_limit(self) -> int: ...
 
     async def answer_chat(self, started: float, headers: dict[str, str], raw: bytes,
-                          gone: Callable[[], bool]) -> Response: ...
+                          gone: Callable[[], bool], on_leave: OnLeave | None = None) -> Response: ...
 
 
 class ChatCycle:
     """One chat request and its answer on a connection, in place of uvicorn's RequestResponseCycle."""
 
     __slots__ = ("transport", "flow", "message_event", "on_response", "keep_alive", "headers", "body",
-                 "more_body", "disconnected", "response_complete", "_answerer", "_head", "_chunked")
+                 "more_body", "disconnected", "response_complete", "_answerer", "_head", "_chunked", "_left")
 
     def __init__(self, transport: asyncio.Transport, flow: FlowControl, headers: dict[str, str], keep_alive: bool,
                  on_response: Callable[[], None], answerer: ChatAnswerer):
@@ -81,6 +92,7 @@ class ChatCycle:
         self._answerer = answerer
         self._head: bytes | None = None
         self._chunked = False
+        self._left: Callable[[], None] | None = None
 
     async def run_asgi(self, _app: object) -> None:
         """Read the body, answer, send (the name is the one the protocol calls to start a cycle)."""
@@ -93,7 +105,8 @@ class ChatCycle:
                 return
             started = time.perf_counter()
             try:
-                response = await self._answerer.answer_chat(started, self.headers, bytes(self.body), self.gone)
+                response = await self._answerer.answer_chat(started, self.headers, bytes(self.body), self.gone,
+                                                            self.on_leave)
             except Exception as exc:
                 response = unhandled(exc)
             await response(_SCOPE, self.receive, self.send)
@@ -108,6 +121,17 @@ class ChatCycle:
 
     def gone(self) -> bool:
         return self.disconnected
+
+    def on_leave(self, callback: Callable[[], None] | None) -> None:
+        self._left = callback
+        if self.disconnected:  # already gone: told at once
+            self.client_left()
+
+    def client_left(self) -> None:
+        """The connection is lost (the protocol tells it): whoever awaits the answer stops."""
+        left, self._left = self._left, None
+        if left is not None:
+            left()
 
     async def receive(self) -> MutableMapping[str, Any]:
         """The body is in before the answer starts: all that is left to hear is that the client left."""

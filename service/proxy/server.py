@@ -20,7 +20,7 @@ import logging
 import signal
 import time
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -28,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.errors import error_body
 from service.proxy.chat import header_map
 from service.proxy.fast_path import CHAT_PATH, ProxyApp
-from service.proxy.native import ChatAnswerer, ChatCycle
+from service.proxy.native import LEAVE_KEY, ChatAnswerer, ChatCycle
 
 if TYPE_CHECKING:
     from service.proxy.app import Runtime
@@ -60,7 +60,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if isinstance(cycle, ChatCycle):
+            cycle.client_left()
+        elif cycle is not None and not cycle.response_complete:
+            scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]  # ASGI's scope, with our key in it
+            if (left := scope.pop(LEAVE_KEY, None)) is not None:
+                left()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
