@@ -96,14 +96,24 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def directory_problems(config: Config, create: bool = True) -> list[str]:
+    """The directory the proxy writes to that it could not (`create` False: judged without touching
+    the disk): memory mode's `state_dir`, Kafka mode's `events.spool.dir`."""
+    from service.rollout.state_file import state_dir_problem
+
+    if config.events.backend == "memory":
+        problem = state_dir_problem(Path(config.state_dir), create)
+        return [f"state_dir: {problem}; the rollout state would be lost on restart"] if problem else []
+    problem = state_dir_problem(Path(config.events.spool.dir), create)
+    return [f"events.spool.dir: {problem}; records the broker can't take would be lost"] if problem else []
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service.rollout.state_file import state_dir_problem
-
     config = _config_or_exit(args.config, proxy=True)
-    if config.events.backend == "memory" and (problem := state_dir_problem(Path(config.state_dir))):
-        print(f"error: state_dir: {problem}; the rollout state would be lost on restart", file=sys.stderr)
+    if problems := directory_problems(config):
+        print(f"error: {problems[0]}", file=sys.stderr)
         return 1
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
@@ -167,13 +177,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from service.rollout.state_file import state_dir_problem
-
     try:
         config = load_config(args.file)
-        problems = environment_problems(config, proxy=True)
-        if config.events.backend == "memory" and (problem := state_dir_problem(Path(config.state_dir), create=False)):
-            problems.append(f"state_dir: {problem}")
+        problems = environment_problems(config, proxy=True) + directory_problems(config, create=False)
         if problems:
             raise ConfigError(args.file, problems)
     except ConfigError as e:

@@ -13,9 +13,29 @@ from urllib.parse import urlsplit
 import yaml
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 BUILTIN_SEGMENTS = ("tools", "json", "long_context", "multi_turn", "chat")
+
+
+def _variable_name(v: str) -> str:
+    """An environment variable's name; a key pasted in its place is refused without being shown."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+        raise ValueError("must name an environment variable (letters, digits and _), got something else "
+                         "(not shown: it may be the secret itself)")
+    return v
+
+
+EnvName = Annotated[str, AfterValidator(_variable_name)]
 
 
 def check_regex(pattern: str, where: str = "") -> None:
@@ -37,10 +57,10 @@ PositiveFloat = Annotated[float, Field(gt=0.0)]
 class ServerConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    admin_token_env: str = "MODELCANARY_ADMIN_TOKEN"
+    admin_token_env: EnvName = "MODELCANARY_ADMIN_TOKEN"
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
     drain_seconds: float = Field(30.0, ge=0)
-    client_keys_env: str | None = None
+    client_keys_env: EnvName | None = None
 
 
 def client_keys_problem(server: ServerConfig) -> str | None:
@@ -65,7 +85,7 @@ def client_keys_problem(server: ServerConfig) -> str | None:
 class ProviderConfig(Strict):
     base_url: str
     api: Literal["openai", "anthropic"] = "openai"  # the wire format it speaks: OpenAI's, or Anthropic Messages
-    api_key_env: str | None = None
+    api_key_env: EnvName | None = None
     timeout_s: PositiveFloat = 60.0
     connect_timeout_s: PositiveFloat = 5.0
     max_retries: int = Field(2, ge=0, le=10)
@@ -73,13 +93,10 @@ class ProviderConfig(Strict):
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        try:
-            parts = urlsplit(v)
-            port_ok = parts.port is None or parts.port > 0  # .port raises on one out of range or not a number
-        except ValueError:
-            port_ok = False
-        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or re.search(r"\s", v):
-            raise ValueError(f"must be an http(s) URL with a host and a valid port, got {redacted_url(v)!r}")
+        if _http_url_problem(v) is not None:  # quoted without user:password@ or the query (`?api-key=`)
+            path, query, _ = v.partition("?")
+            raise ValueError(f"must be an http(s) URL with a host and a valid port, got "
+                             f"{redacted_url(path) + ('?…' if query else '')!r}")
         return v.rstrip("/")
 
     def forwards_client_key(self) -> str | None:
@@ -113,7 +130,7 @@ CHAT_PARAMS = frozenset({
 
 class ModelConfig(Strict):
     provider: str
-    name: str
+    name: str = Field(min_length=1)
     price: Price = Price()
     # the model's own request settings, so a prompt or sampling change can be a candidate
     system_prompt: str | None = None   # a system message put before the client's messages
@@ -299,6 +316,8 @@ class RouteConfig(Strict):
                 raise ValueError(f"task type {name!r} clashes with a built-in segment name")
         if len(v) > 50:
             raise ValueError("at most 50 task types per route (metric labels stay bounded)")
+        if len(set(v)) < len(v):
+            raise ValueError(f"task type {next(t for t in v if v.count(t) > 1)!r} is listed twice")
         return v
 
     @model_validator(mode="after")
@@ -317,7 +336,8 @@ class KafkaSecurity(Strict):
     Each `<key>_env` names an environment variable that holds the value instead (how secrets are given)."""
 
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] | None = None
-    sasl_mechanism: str | None = None
+    sasl_mechanism: Literal["PLAIN", "GSSAPI", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "AWS_MSK_IAM"] | None \
+        = None  # what kafka-python 3.0 speaks
     sasl_plain_username: str | None = None
     sasl_plain_password: SecretStr | None = None
     sasl_kerberos_name: str | None = None
@@ -330,20 +350,20 @@ class KafkaSecurity(Strict):
     ssl_password: SecretStr | None = None
     ssl_ciphers: str | None = None
     ssl_check_hostname: bool | None = None
-    security_protocol_env: str | None = None
-    sasl_mechanism_env: str | None = None
-    sasl_plain_username_env: str | None = None
-    sasl_plain_password_env: str | None = None
-    sasl_kerberos_name_env: str | None = None
-    sasl_kerberos_service_name_env: str | None = None
-    sasl_kerberos_domain_name_env: str | None = None
-    ssl_cafile_env: str | None = None
-    ssl_certfile_env: str | None = None
-    ssl_keyfile_env: str | None = None
-    ssl_crlfile_env: str | None = None
-    ssl_password_env: str | None = None
-    ssl_ciphers_env: str | None = None
-    ssl_check_hostname_env: str | None = None
+    security_protocol_env: EnvName | None = None
+    sasl_mechanism_env: EnvName | None = None
+    sasl_plain_username_env: EnvName | None = None
+    sasl_plain_password_env: EnvName | None = None
+    sasl_kerberos_name_env: EnvName | None = None
+    sasl_kerberos_service_name_env: EnvName | None = None
+    sasl_kerberos_domain_name_env: EnvName | None = None
+    ssl_cafile_env: EnvName | None = None
+    ssl_certfile_env: EnvName | None = None
+    ssl_keyfile_env: EnvName | None = None
+    ssl_crlfile_env: EnvName | None = None
+    ssl_password_env: EnvName | None = None
+    ssl_ciphers_env: EnvName | None = None
+    ssl_check_hostname_env: EnvName | None = None
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -394,6 +414,9 @@ CODEC_PACKAGES = {"gzip": ("has_gzip", "(standard library)"), "snappy": ("has_sn
                   "lz4": ("has_lz4", "lz4"), "zstd": ("has_zstd", "zstandard")}
 
 
+_BOOTSTRAP_SERVER = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(\d{1,5}))?")
+
+
 class KafkaConfig(Strict):
     bootstrap_servers: str = "127.0.0.1:9092"
     # Kafka's topic name rules (ASCII letters, digits, . _ -; 249 characters with the longest topic's suffix)
@@ -404,6 +427,15 @@ class KafkaConfig(Strict):
     compression_type: Literal["gzip", "lz4", "snappy", "zstd"] | None = "gzip"
     # retention.ms of the event topics when the service creates them (null: the broker's default)
     retention_hours: TopicRetention = TopicRetention()
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _host_ports(cls, v: str) -> str:
+        for server in v.split(","):
+            m = _BOOTSTRAP_SERVER.fullmatch(server.strip())
+            if m is None or not 0 < int(m.group(1) or 9092) < 65536:
+                raise ValueError("must be HOST:PORT, or several of them comma-separated")
+        return v
 
     def compression_problem(self) -> str | None:
         """Why `compression_type` can't be used here: its codec's library is not installed."""
@@ -437,7 +469,7 @@ class CollectConfig(Strict):
 
 class ControlConfig(Strict):
     metrics_port: int = Field(9465, ge=0, le=65535)
-    interval_s: float | None = Field(None, gt=0)
+    interval_s: float | None = Field(None, ge=0.05, le=5)
     # the report is published on a decision, else at most this often and only when it changed
     report_interval_s: float = Field(30.0, gt=0)
     # feedback that names a request the controller has not seen waits this long for its outcome
@@ -447,6 +479,15 @@ class ControlConfig(Strict):
 class TracingConfig(Strict):
     otlp_endpoint: str | None = None
     capture_content: bool = False
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        """OTLP over HTTP: an http(s) URL (else every export fails and logs the URL, credentials and all)."""
+        if v and (problem := _http_url_problem(v)) is not None:
+            raise ValueError(f"must be an http(s) URL with a host and a valid port, got one whose {problem} "
+                             "(the rest of the URL is not shown: it may hold a secret)")
+        return v
 
 
 class NotifyConfig(Strict):
@@ -459,15 +500,16 @@ class NotifyConfig(Strict):
         error never quotes the URL: its path (Slack, Teams) or user:password@ is the secret."""
         if not v:
             return v  # "" is no webhook, as null
-        problem = _webhook_url_problem(v)
+        problem = _http_url_problem(v)
         if problem is not None:
             raise ValueError(f"must be an http(s) URL with a host and a valid port, got one whose {problem} "
                              "(the rest of the URL is not shown: it may hold a secret)")
         return v
 
 
-def _webhook_url_problem(url: str) -> str | None:
-    """What is wrong with a webhook URL, phrased without its secret parts; None when it is fine."""
+def _http_url_problem(url: str) -> str | None:
+    """What is wrong with a URL the service calls (a webhook, a collector, a provider), phrased without
+    its secret parts; None when it is fine."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -502,6 +544,14 @@ class Config(Strict):
     state_dir: str = ".modelcanary/state"
     tracing: TracingConfig = TracingConfig()
     notify: NotifyConfig = NotifyConfig()
+
+    @field_validator("providers", "models", "routes")
+    @classmethod
+    def _names(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for name in v:
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"name {name!r} is empty or has spaces around it")
+        return v
 
     @model_validator(mode="after")
     def _references(self) -> Config:  # noqa: C901 - one flat list of cross-reference checks, each naming its field
@@ -590,9 +640,21 @@ def environment_problems(config: Config, proxy: bool) -> list[str]:
                 problems.append(str(e))
         if (codec := kafka.compression_problem()) is not None:
             problems.append(codec)
+        problems += _tls_file_problems(kafka.security)
     if proxy and (client_keys := client_keys_problem(config.server)) is not None:
         problems.append(client_keys)
     return problems
+
+
+def _tls_file_problems(security: KafkaSecurity | None) -> list[str]:
+    """The TLS files the Kafka client would open (else it fails each connection without naming them)."""
+    try:
+        resolved = security.resolved() if security is not None else {}
+    except ValueError:
+        return []  # reported as the variable that is not set
+    return [f"events.kafka.security.{key}: {resolved[key]!r} is not a readable file"
+            for key in ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_crlfile")
+            if key in resolved and not (os.path.isfile(resolved[key]) and os.access(resolved[key], os.R_OK))]
 
 
 class ConfigError(Exception):
@@ -676,6 +738,8 @@ def read_yaml(path: str | os.PathLike) -> object:
         raise ConfigError(str(p), [f"cannot read file: {e}"]) from None
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise ConfigError(str(p), ["(yaml) nested too deeply"]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

@@ -250,3 +250,64 @@ def test_config_errors_never_show_a_secret():
         "providers.p.base_url: must be an http(s) URL with a host and a valid port, got 'htp://***@host/v1'",
         "events.kafka.security.sasl_plain_password: Input should be a valid string",
     ]
+
+
+# ---- 8. what check-config passed and serve then tripped on, or showed -------------------------------
+
+
+def with_(path: str, value: object, data: dict | None = None) -> dict:
+    """`base()` with the dotted `path` set to `value`."""
+    data = data or base()
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return data
+
+
+KAFKA = {"backend": "kafka", "kafka": {}}
+
+
+@pytest.mark.parametrize(("path", "value", "expected"), [
+    ("providers.p.base_url", "http://[::1/v1", "providers.p.base_url: must be an http(s) URL with a host and a valid "
+                                               "port, got 'http://[::1/v1'"),
+    ("providers.p.base_url", "https://host/v1?api-key=SECRET-Q 1", "providers.p.base_url: must be an http(s) URL "
+                                                                   "with a host and a valid port, got 'https://host/v1?…'"),
+    ("tracing.otlp_endpoint", "ftp://user:SECRET-PW@host:99", "tracing.otlp_endpoint: must be an http(s) URL with a "
+                                                              "host and a valid port, got one whose scheme 'ftp' is not"),
+    ("events", {**KAFKA, "kafka": {"bootstrap_servers": "127.0.0.1:notaport"}},
+     "events.kafka.bootstrap_servers: must be HOST:PORT, or several of them comma-separated"),
+    ("events", {**KAFKA, "kafka": {"security": {"sasl_mechanism": "BOGUS"}}},
+     "events.kafka.security.sasl_mechanism: Input should be 'PLAIN', 'GSSAPI'"),
+    ("providers.p.api_key_env", "sk-proj-SECRET-K", "providers.p.api_key_env: must name an environment variable"),
+    ("server.client_keys_env", "k1=bot;SECRET-C=*", "server.client_keys_env: must name an environment variable"),
+    ("routes. ", {"stable": "m"}, "routes: name ' ' is empty or has spaces around it"),
+    ("models.m.name", "", "models.m.name: String should have at least 1 character"),
+    ("routes.bot.task_types", ["billing", "billing"], "routes.bot.task_types: task type 'billing' is listed twice"),
+    ("control.interval_s", 60, "control.interval_s: Input should be less than or equal to 5"),
+])
+def test_what_would_fail_at_run_time_is_a_config_error_that_shows_no_secret(path, value, expected):
+    with pytest.raises(ConfigError) as e:
+        parse_config(with_(path, value))
+    text = "\n".join(e.value.problems)
+    assert expected in text and "SECRET" not in text, text
+
+
+def test_deeply_nested_yaml_is_a_config_error(tmp_path):
+    path = tmp_path / "deep.yaml"
+    path.write_text("[" * 500 + "]" * 500)
+    result = run(tmp_path, "check-config", str(path))
+    assert result.returncode == 1 and "(yaml) nested too deeply" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kafka_tls_files_and_the_spool_directory_are_checked_before_serving(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    data = base(events={"backend": "kafka", "kafka": {"security": {"ssl_cafile": str(tmp_path / "no-ca.pem")}},
+                        "spool": {"dir": str(blocker / "spool")}})
+    result = check_config(tmp_path, data)
+    assert_refused(result, f"events.kafka.security.ssl_cafile: {str(tmp_path / 'no-ca.pem')!r} is not a readable file")
+    assert f"events.spool.dir: cannot create or write the directory {str(blocker / 'spool')!r}" in result.stderr
+    data["events"]["kafka"]["security"]["ssl_cafile"] = str(blocker)
+    assert_refused(serve(tmp_path, data), "events.spool.dir: cannot create or write the directory")

@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import openai
+import pytest
 import yaml
 
 from tests.fixtures.servers import metric_value, proxy_config, scrape, sim_config
@@ -103,6 +104,21 @@ def test_reload_refuses_what_serve_refuses_and_keeps_serving(servers, monkeypatc
     assert (status, body["error"]["code"]) == (400, "invalid_config"), body
     assert "providers.sim.base_url: must be an http(s) URL with a host and a valid port" in body["error"]["message"]
     client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "still served"}])
+
+    # what is set up once, at start: refused, and nothing of that reload applied (not its new route either)
+    def start_only(cfg: dict) -> None:
+        cfg["providers"]["sim"]["base_url"] = sim.url + "/v1"
+        cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": "127.0.0.1:9"}}
+        cfg["state_dir"] = cfg["state_dir"] + "-moved"
+        cfg["routes"]["new-route"] = {"stable": "stable-m"}
+
+    write(proxy, start_only)
+    status, body = call(proxy, "POST", "/admin/reload")
+    assert (status, body["error"]["code"]) == (400, "invalid_config"), body
+    for key in ("state_dir", "events"):
+        assert f"{key}: changes only with a restart" in body["error"]["message"], body
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="new-route", messages=[{"role": "user", "content": "not yet"}])
 
 
 def test_reload_applies_tracing_to_live_calls(servers):

@@ -209,7 +209,7 @@ class Runtime:
         if not self.config_path:
             raise ValueError("the proxy was started without a config file; nothing to reload")
         config = load_config(self.config_path)
-        problems = environment_problems(config, proxy=True)
+        problems = environment_problems(config, proxy=True) + start_only_changes(self.config, config)
         if problems:
             raise ConfigError(self.config_path, problems)
         if config.tracing != self.config.tracing:
@@ -233,6 +233,17 @@ class Runtime:
             self._shadow_reloads.put_nowait(config)
         log.info("config reloaded from %s; new rollouts: %s", self.config_path, restarted or "none")
         return restarted
+
+
+def start_only_changes(running: Config, new: Config) -> list[str]:
+    """What a reload can't apply: the settings the proxy reads once, at start (the state file, the
+    listening socket, the event bus with its broker and spool)."""
+    restart = "changes only with a restart (a reload keeps the running value)"
+    changed = [("state_dir", running.state_dir != new.state_dir),
+               ("server.host", running.server.host != new.server.host),
+               ("server.port", running.server.port != new.server.port),
+               ("events", running.events != new.events)]
+    return [f"{key}: {restart}" for key, differs in changed if differs]
 
 
 def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - counts its nested route handlers together; each is a few lines
