@@ -12,8 +12,8 @@ class Upstream:
     name = "p"
     max_retries = 2
 
-    def __init__(self, status: int, headers: dict[str, str]):
-        self.status, self.headers, self.calls = status, headers, 0
+    def __init__(self, status: int, headers: dict[str, str], body: bytes = b"{}"):
+        self.status, self.headers, self.body, self.calls = status, headers, body, 0
 
     def auth_header(self, client_auth: str | None) -> str | None:
         return client_auth
@@ -21,7 +21,7 @@ class Upstream:
     async def send(self, path: str, body: bytes, headers: dict[str, str], stream: bool,
                    method: str = "POST") -> UpstreamReply:
         self.calls += 1
-        return UpstreamReply(self.status, dict(self.headers), body=b"{}")
+        return UpstreamReply(self.status, dict(self.headers), body=self.body)
 
     async def close(self) -> None:
         pass
@@ -41,4 +41,18 @@ def test_a_retry_ruled_out_by_retry_after_or_the_deadline_spends_no_budget():
         retried = Upstream(503, {})
         attempted = await send_with_retries(retried, "/x", b"{}", {}, False, budget)
         assert attempted.retries == 1 and retried.calls == 2  # the budget's one retry is still there
+    asyncio.run(go())
+
+
+def test_a_429_is_retried_as_rate_limited_but_never_one_that_says_the_quota_is_spent():
+    async def go():
+        causes: list[str] = []
+        limited = Upstream(429, {}, b'{"error": {"type": "requests", "code": "rate_limit_exceeded"}}')
+        attempted = await send_with_retries(limited, "/x", b"{}", {}, False, RetryBudget(),
+                                            on_retry=lambda cause, t0, t1: causes.append(cause))
+        assert (attempted.retries, limited.calls, causes) == (2, 3, ["rate_limited", "rate_limited"])
+        spent = Upstream(429, {}, b'{"error": {"type": "insufficient_quota", "code": "insufficient_quota"}}')
+        attempted = await send_with_retries(spent, "/x", b"{}", {}, False, RetryBudget(),
+                                            on_retry=lambda cause, t0, t1: causes.append(cause))
+        assert (attempted.retries, spent.calls, attempted.reply.status) == (0, 1, 429)
     asyncio.run(go())

@@ -28,7 +28,7 @@ from service.proxy.sse import chat_has_output, reassemble
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.rollout.book import RolloutBook
 from service.upstream.base import Provider, UpstreamReply
-from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields
+from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields, json_object
 from service.upstream.model_settings import model_body
 from service.upstream.retry import RetryBudget, send_with_retries
 
@@ -323,7 +323,7 @@ class Proxy:
         """The upstream's error with its status and cause: its JSON body as it came, any other body in an
         OpenAI-shaped error's message. A client's mistake that the upstream answered as its own failure
         (a 5xx) goes back as the 400 it is, so that clients do not retry it."""
-        parsed = _json_or_none(reply.body)
+        parsed = json_object(reply.body)
         call.verdict = failed(error_cause(reply.status, parsed))
         if reply.status >= 500 and call.verdict.cause in CLIENT_CAUSES:
             call.status = 400
@@ -506,14 +506,6 @@ def upstream_path(request: Request, path: str) -> str:
     line can't hold is escaped."""
     raw: bytes = request.scope.get("raw_path") or b""
     return quote(raw[3:] if raw.startswith(b"/v1/") else "/" + path, safe="/%:@!$&'()*+,;=-._~")
-
-
-def _json_or_none(raw: bytes) -> dict | None:
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _bearer(value: str | None) -> str | None:

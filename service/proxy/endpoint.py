@@ -21,7 +21,7 @@ from functools import partial
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from service.proxy.chat import BadRequest, Proxy, _json_or_none, header_map
+from service.proxy.chat import BadRequest, Proxy, header_map
 from service.proxy.formats import ApiFormat
 from service.proxy.formats.base import untold_usage
 from service.proxy.native import on_leave_in_scope
@@ -33,6 +33,7 @@ from service.proxy.segments import classify_segment
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.records import Role
 from service.upstream.base import UpstreamReply
+from service.upstream.errors import json_object
 
 FORWARDED_REQUEST_HEADERS = ("anthropic-version", "anthropic-beta")
 ENDPOINT_OF_API = {"openai": "POST /v1/chat/completions or POST /v1/responses", "anthropic": "POST /v1/messages"}
@@ -141,7 +142,7 @@ class FormatEndpoint:
     def _plain(self, call: Call, reply: UpstreamReply, view: dict) -> Response:
         proxy, error = self.proxy, self.fmt.error_response
         headers = proxy._headers(call, reply)
-        parsed = _json_or_none(reply.body)
+        parsed = json_object(reply.body)
         if 200 <= reply.status < 300:
             if parsed is None:
                 call.verdict = failed("bad_response", "malformed JSON from upstream")

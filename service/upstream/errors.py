@@ -19,6 +19,7 @@ An error none of these explain gets the cause of its HTTP class: `bad_request` (
 
 from __future__ import annotations
 
+import json
 import re
 
 # Upstream statuses worth another attempt (DESIGN §5 retry rules); 529: overloaded.
@@ -35,6 +36,15 @@ _CONTEXT_MESSAGE = re.compile(
     r"|exceeds? (?:the )?(?:model'?s? )?(?:max(?:imum)? )?(?:context|input length)", re.IGNORECASE)
 # pydantic's message, which llama-cpp-python's server answers with status 500 for a request it rejects
 _VALIDATION_MESSAGE = re.compile(r"^\d+ validation errors?\b.*'loc': \('body'", re.DOTALL)
+
+
+def json_object(raw: bytes) -> dict | None:
+    """An answer's body as a JSON object, or None when it is not one."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def error_fields(body: dict | None) -> tuple[str, str]:

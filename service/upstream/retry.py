@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.upstream.base import Provider, TransportFailure, UpstreamReply
-from service.upstream.errors import RETRYABLE_STATUS, error_cause
+from service.upstream.errors import RETRYABLE_STATUS, error_cause, json_object
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
@@ -111,9 +111,9 @@ async def send_with_retries(
             return Attempted(reply, None, retries)
         if failure is not None and failure.cause == "timeout":
             return Attempted(None, failure, retries)  # a hung upstream already used the time budget
-        if retries >= provider.max_retries:
+        cause = failure.cause if failure else error_cause(reply.status, json_object(reply.body))  # type: ignore[union-attr]
+        if retries >= provider.max_retries or cause == "quota_exceeded":  # no quota comes back in seconds
             return Attempted(reply, failure, retries)
-        cause = failure.cause if failure else error_cause(reply.status, None)  # type: ignore[union-attr]
         delay = random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**retries))
         hinted = retry_after_s(reply.headers.get("retry-after")) if reply is not None else None
         if hinted is not None:
