@@ -23,11 +23,14 @@ UID = "modelcanary-rollout"
 
 REQ = "modelcanary_requests_total"
 COMPLETED = 'outcome="completed"'
+LIVE = 'segment!="other"'  # the route's chat-format calls: not its pass-through ones (embeddings, files), all stable's
 BY_ROLE = "{{role}}"
+PASSED_THROUGH = (" Stable's includes the route's pass-through calls (embeddings, files), which always go to "
+                  "the stable model.")
 
 
 def _annotations(d: Dashboard) -> Dashboard:
-    """One annotation per judge decision kind (hold happens every tick, so it is left out)."""
+    """One annotation per judge decision kind (hold, the judge's standing verdict, is left out)."""
     colors = {"step": "blue", "promote": "green", "rollback": "red"}
     for decision, color in colors.items():
         d = d.annotation(
@@ -54,14 +57,15 @@ def build() -> Dashboard:
     d = d.with_row(row("Outcomes"))
     d = d.with_panel(timeseries(
         "Completion rate by role",
-        [(ratio("role", REQ, [ROUTE, COMPLETED], [ROUTE]), BY_ROLE)],
+        [(ratio("role", REQ, [ROUTE, LIVE, COMPLETED], [ROUTE, LIVE]), BY_ROLE)],
         unit="percentunit", max_val=1,
-        description="Share of live requests that completed (not failed), per role.",
+        description="Share of live requests that completed (not failed), per role; pass-through calls "
+                    "(embeddings, files: segment other) left out.",
     ))
     d = d.with_panel(timeseries(
         "Client retry rate by role",
-        [(f"({rate_sum('role', 'modelcanary_client_retries_total', ROUTE)} or {rate_sum('role', REQ, ROUTE)} * 0)"
-          f" / {rate_sum('role', REQ, ROUTE)}", BY_ROLE)],
+        [(f"({rate_sum('role', 'modelcanary_client_retries_total', ROUTE)} or {rate_sum('role', REQ, ROUTE, LIVE)} * 0)"
+          f" / {rate_sum('role', REQ, ROUTE, LIVE)}", BY_ROLE)],
         unit="percentunit",
         description="Share of live requests recognised as a client's retry (x-stainless-retry-count > 0 or a repeated "
                     "request fingerprint), per role.",
@@ -72,13 +76,13 @@ def build() -> Dashboard:
         "Request latency p50 / p95 / p99 by role",
         [(quantile(q, "modelcanary_request_duration_seconds", "role", ROUTE), f"{{{{role}}}} p{int(q * 100)}")
          for q in (0.5, 0.95, 0.99)],
-        unit="s",
+        unit="s", description="End-to-end, as the client saw it." + PASSED_THROUGH,
     ))
     d = d.with_panel(timeseries(
         "Time to first token p50 / p95 by role",
         [(quantile(q, "modelcanary_time_to_first_token_seconds", "role", ROUTE), f"{{{{role}}}} p{int(q * 100)}")
          for q in (0.5, 0.95)],
-        unit="s", description="Streaming requests only.",
+        unit="s", description="Streaming requests only." + PASSED_THROUGH,
     ))
 
     d = d.with_row(row("Failures"))
@@ -103,7 +107,7 @@ def build() -> Dashboard:
     ))
     d = d.with_panel(timeseries(
         "Cost per completed request by role",
-        [(f"{rate_sum('role', 'modelcanary_cost_usd_total', ROUTE)} / {rate_sum('role', REQ, ROUTE, COMPLETED)}",
+        [(f"{rate_sum('role', 'modelcanary_cost_usd_total', ROUTE)} / {rate_sum('role', REQ, ROUTE, LIVE, COMPLETED)}",
           BY_ROLE)],
         unit="currencyUSD",
     ))
@@ -125,7 +129,8 @@ def build() -> Dashboard:
         "Judge decisions",
         [(rate_sum("decision", "modelcanary_rollout_decisions_total", ROUTE, fn="increase"), "{{decision}}")],
         unit="short", bars=True, stacked=True, width=8,
-        description="Decisions per interval (hold is recorded on every evaluation of the judge).",
+        description="Decisions per interval: each step, promote and rollback; hold once each time the judge's "
+                    "verdict turns to hold (it is not counted again while it stays so).",
     ))
     d = d.with_panel(table(
         "Routing table: segment × model serving now",

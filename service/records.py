@@ -7,6 +7,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["stable", "canary", "shadow"]
+# the segment of a call the proxy passes through (embeddings, files...): always the stable model's,
+# never the chat-format traffic the judge compares
+PASSTHROUGH_SEGMENT = "other"
 Outcome = Literal["completed", "failed"]
 Blame = Literal["model", "provider", "client", "proxy"]
 # partial: rollout.scope segment only, every segment finished but not all the same way

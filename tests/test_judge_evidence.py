@@ -126,3 +126,13 @@ def test_one_session_tells_nothing_about_sessions():
         return {c.verdict for c in evaluate(ev, ev.rc) if c.spec.name == "completion_rate"}
     assert WORSE in verdicts(session=False)
     assert WORSE not in verdicts(session=True)
+
+
+def test_calls_passed_through_are_no_evidence():
+    """Embeddings, files and the like go to the stable model only, whatever the split: counted, they
+    would make the stable arm of `overall` look faster (or slower) than the candidate's for nothing."""
+    ev, now = _evidence()
+    assert ev.add_outcome(outcome("stable", "chat", True, ts=now))
+    assert not ev.add_outcome(outcome("stable", "other", True, ts=now, latency=0.01))
+    assert not ev.add_outcome(outcome("stable", "other", False, ts=now))
+    assert ev.windows[-1].live_acc(ev_mod.LIVE_STABLE, "overall").n == 1

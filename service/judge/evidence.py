@@ -50,7 +50,7 @@ from service.judge.catalog import (
 from service.judge.comparisons import LATENCY_EDGES
 from service.judge.shadow_report import ShadowStats
 from service.recent import Recent
-from service.records import JUDGE_SCORES, EvaluationRecord, OutcomeEvent, RolloutState
+from service.records import JUDGE_SCORES, PASSTHROUGH_SEGMENT, EvaluationRecord, OutcomeEvent, RolloutState
 
 log = logging.getLogger("modelcanary.judge")
 
@@ -514,12 +514,20 @@ class RouteEvidence:
             self._sessions.move_to_end(key)
         return s
 
-    def add_outcome(self, ev: OutcomeEvent) -> bool:
+    def _arm_of(self, ev: OutcomeEvent) -> Arm | None:
+        """The live arm an outcome counts for; none for another rollout's models, or for a call passed
+        through (embeddings, files: the stable model always serves them, so they compare nothing)."""
+        if ev.segment == PASSTHROUGH_SEGMENT:
+            return None
         if ev.role == "stable" and ev.model == self.stable:
-            arm: Arm = LIVE_STABLE
-        elif ev.role == "canary" and ev.model == self.candidate:
-            arm = LIVE_CANDIDATE
-        else:
+            return LIVE_STABLE
+        if ev.role == "canary" and ev.model == self.candidate:
+            return LIVE_CANDIDATE
+        return None
+
+    def add_outcome(self, ev: OutcomeEvent) -> bool:
+        arm = self._arm_of(ev)
+        if arm is None:
             return False
         w = self._window_for(ev.ts)
         if w is None:

@@ -26,6 +26,7 @@ from service.proxy.routing import pick
 from service.proxy.segments import classify_segment
 from service.proxy.sse import chat_has_output, reassemble
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
+from service.records import PASSTHROUGH_SEGMENT
 from service.rollout.book import RolloutBook
 from service.upstream.base import Provider, UpstreamReply
 from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields, json_object
@@ -431,7 +432,7 @@ class Proxy:
         auth = provider.auth_header(self._client_auth(request.headers))
         if auth:
             up_headers["Authorization"] = auth
-        call = Call(request_id=request_id, route=route or key, model_key=model_key, role="stable", segment="other",
+        call = Call(request_id=request_id, route=route or key, model_key=model_key, role="stable", segment=PASSTHROUGH_SEGMENT,
                     started=started, request=None, stream=body is not None and body.get("stream") is True)
         qs = ("?" + request.url.query) if request.url.query else ""
         self._start(call)
