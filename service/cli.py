@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from service.config import Config, ConfigError, environment_problems, load_config, port_number
+from service.config import Config, ConfigError, environment_problems, load_config, port_number, tls_file_problems
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -40,11 +40,11 @@ class Wiring(Protocol):
 
 
 def _config_or_exit(path: str, proxy: bool = False) -> Config:
-    """The config, with what it names in the environment (`proxy`: also what only the proxy reads);
-    else the problems, and exit 1."""
+    """The config, with what it names in the environment (`proxy`: also what only the proxy reads) and
+    the TLS files it opens; else the problems, and exit 1."""
     try:
         config = load_config(path)
-        problems = environment_problems(config, proxy)
+        problems = environment_problems(config, proxy) + tls_file_problems(config)
         if problems:
             raise ConfigError(path, problems)
         return config

@@ -640,14 +640,15 @@ def environment_problems(config: Config, proxy: bool) -> list[str]:
                 problems.append(str(e))
         if (codec := kafka.compression_problem()) is not None:
             problems.append(codec)
-        problems += _tls_file_problems(kafka.security)
     if proxy and (client_keys := client_keys_problem(config.server)) is not None:
         problems.append(client_keys)
     return problems
 
 
-def _tls_file_problems(security: KafkaSecurity | None) -> list[str]:
-    """The TLS files the Kafka client would open (else it fails each connection without naming them)."""
+def tls_file_problems(config: Config) -> list[str]:
+    """The TLS files the Kafka client will open, checked where it starts (else it fails each connection
+    without naming them); not by check-config, which may run where they are not mounted."""
+    security = config.events.kafka.security if config.events.backend == "kafka" else None
     try:
         resolved = security.resolved() if security is not None else {}
     except ValueError:

@@ -169,12 +169,27 @@ def count_queue_full(topic: str, record: object) -> None:
         shadow_dropped_total.labels(getattr(record, "route", "unknown"), "queue_full").inc()
 
 
-def set_rollout(route: str, phase: str, weight: float) -> None:
+# Counters an alert watches with increase(): their series start at 0, so that the first one counts
+# (a series born at 1 has no increase to show).
+ALERTED_SHADOW_DROPS = ("queue_full", "error", "stopped")
+EVENT_DROP_REASONS = ("queue_full", "spool_full", "spool_error", "bad_record", "too_large", "closed")
+
+
+def set_rollout(route: str, stable: str, phase: str, weight: float) -> None:
     for decision in ("step", "hold", "promote", "rollback"):
         rollout_decisions_total.labels(route, decision)  # start at 0, so increase() sees the first one
+    for reason in ALERTED_SHADOW_DROPS:
+        shadow_dropped_total.labels(route, reason)
+    failures_total.labels(route, stable, "stable", "proxy_error", "proxy")
     rollout_canary_weight.labels(route).set(weight)
     for p in PHASES:
         rollout_phase.labels(route, p).set(1.0 if p == phase else 0.0)
+
+
+def start_event_counters(topics: tuple[str, ...]) -> None:
+    for topic in topics:
+        for reason in EVENT_DROP_REASONS:
+            events_dropped_total.labels(topic, reason)
 
 
 def set_segment_rollout(route: str, segment: str, phase: str, weight: float) -> None:

@@ -306,6 +306,12 @@ def test_admin_auth_and_actions(stack):
     text = scrape(proxy.url)
     assert metric_value(text, "modelcanary_rollout_phase", route="support-bot", phase="rolled_back") == 1
     assert metric_value(text, "modelcanary_rollout_canary_weight_ratio", route="support-bot") == 0
+    # what an alert watches with increase() is there from the start, at 0: the first drop or error counts
+    for reason in ("queue_full", "error", "stopped"):
+        assert f'modelcanary_shadow_dropped_total{{reason="{reason}",route="support-bot"}} 0.0' in text, reason
+    assert 'modelcanary_events_dropped_total{reason="queue_full",topic="outcomes"} 0.0' in text
+    assert metric_value(text, "modelcanary_failures_total", route="support-bot", cause="proxy_error") == 0
+    assert 'cause="proxy_error"' in text
     assert TOKEN not in proxy.output()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from service import metrics
 from service.bus.base import TOPICS, EventBus, Subscription, Topic, record_key
 from service.config import EventsConfig
 
@@ -9,6 +10,7 @@ __all__ = ["TOPICS", "EventBus", "Subscription", "Topic", "make_bus", "record_ke
 
 
 def make_bus(events: EventsConfig) -> EventBus:
+    metrics.start_event_counters(TOPICS)
     if events.backend == "kafka":
         from service.bus.kafka import KafkaBus
 

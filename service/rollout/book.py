@@ -353,7 +353,7 @@ class RolloutBook:
     def _set(self, state: RolloutState) -> None:
         self.states[state.route] = state
         self.routing[state.route] = split_of(state)
-        metrics.set_rollout(state.route, state.phase, candidate_share(state))
+        metrics.set_rollout(state.route, state.stable, state.phase, candidate_share(state))
         for name, seg in state.segments.items():
             metrics.set_segment_rollout(state.route, name, seg.phase, seg.canary_weight)
 
