@@ -233,12 +233,17 @@ class ShadowConfig(Strict):
     @field_validator("redact")
     @classmethod
     def _regexes_compile(cls, v: list[str]) -> list[str]:
-        for pattern in v:
-            if pattern.startswith(BUILTIN_PREFIX):
-                if pattern not in REDACT_BUILTINS:
+        problems = []
+        for i, pattern in enumerate(v, start=1):
+            try:
+                if pattern.startswith(BUILTIN_PREFIX) and pattern not in REDACT_BUILTINS:
                     raise ValueError(f"unknown built-in pattern {pattern!r}; use one of {', '.join(REDACT_BUILTINS)}")
-                continue
-            check_regex(pattern)
+                if not pattern.startswith(BUILTIN_PREFIX):
+                    check_regex(pattern)
+            except ValueError as e:
+                problems.append(f"entry {i}: {e}")
+        if problems:
+            raise ValueError("; ".join(problems))
         return v
 
 
@@ -309,11 +314,14 @@ class RouteConfig(Strict):
     @field_validator("task_types")
     @classmethod
     def _task_type_names(cls, v: list[str]) -> list[str]:
-        for name in v:
+        problems = []
+        for i, name in enumerate(v, start=1):
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-                raise ValueError(f"task type {name!r} must be 1-64 chars of letters, digits, '_', '.', '-'")
-            if name in BUILTIN_SEGMENTS or name == "overall":
-                raise ValueError(f"task type {name!r} clashes with a built-in segment name")
+                problems.append(f"entry {i}: task type {name!r} must be 1-64 chars of letters, digits, '_', '.', '-'")
+            elif name in BUILTIN_SEGMENTS or name == "overall":
+                problems.append(f"entry {i}: task type {name!r} clashes with a built-in segment name")
+        if problems:
+            raise ValueError("; ".join(problems))
         if len(v) > 50:
             raise ValueError("at most 50 task types per route (metric labels stay bounded)")
         if len(set(v)) < len(v):

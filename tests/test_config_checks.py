@@ -286,6 +286,8 @@ KAFKA = {"backend": "kafka", "kafka": {}}
     ("models.m.name", "", "models.m.name: String should have at least 1 character"),
     ("routes.bot.task_types", ["billing", "billing"], "routes.bot.task_types: task type 'billing' is listed twice"),
     ("control.interval_s", 60, "control.interval_s: Input should be less than or equal to 5"),
+    ("routes.bot.task_types", ["a b", "ok", "c d"], "routes.bot.task_types: entry 1: task type 'a b' must be 1-64 "
+                                                     "chars of letters, digits, '_', '.', '-'; entry 3: task type 'c d'"),
 ])
 def test_what_would_fail_at_run_time_is_a_config_error_that_shows_no_secret(path, value, expected):
     with pytest.raises(ConfigError) as e:

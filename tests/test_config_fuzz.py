@@ -146,7 +146,7 @@ def test_errors_name_the_field_path():
         text = "\n".join(e.problems)
     else:
         raise AssertionError("should not load")
-    assert "routes.support-bot.shadow.redact: unknown built-in pattern 'builtin:ssn'" in text
+    assert "routes.support-bot.shadow.redact: entry 1: unknown built-in pattern 'builtin:ssn'" in text
     assert "routes.support-bot.rollout.steps:" in text
     assert "providers.sim.timeout_s:" in text
 
