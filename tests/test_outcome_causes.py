@@ -105,6 +105,9 @@ def answer(finish: str, content: str | None = "some words", completion_tokens: i
     ({"max_tokens": 8}, answer("length", completion_tokens=8), ("completed", "max_tokens", "client")),
     ({"max_completion_tokens": 8}, answer("length", completion_tokens=8), ("completed", "max_tokens", "client")),
     ({"max_tokens": 8}, answer("length"), ("completed", "max_tokens", "client")),  # no usage: the cap's doing
+    ({"max_tokens": 400}, answer("length", "seven tokens of a prompt that filled it"),  # no usage, far too short
+     ("failed", "truncated", "model")),                                                 # for its cap: the model's
+    ({"max_tokens": 400}, answer("length", "词" * 350), ("completed", "max_tokens", "client")),  # ~a token a character
     ({"max_tokens": 64}, answer("length", completion_tokens=20), ("failed", "truncated", "model")),  # short of the cap
     ({}, answer("length", completion_tokens=20), ("failed", "truncated", "model")),  # no cap: the model's
     ({"max_tokens": True}, answer("length"), ("failed", "truncated", "model")),  # not a cap
@@ -194,3 +197,22 @@ def test_a_schema_the_verifier_cannot_resolve_is_not_held_against_the_model(sche
     request = {"messages": [{"role": "user", "content": "hi"}],
                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
     assert classify_chat(request, as_json, Checks()).ok
+
+
+def test_estimated_tokens_count_what_the_model_was_asked_and_a_stream_left_before_its_first_event():
+    """Without usage (llama.cpp's streams): the input is what the upstream was asked, the model's
+    system prompt included; a stream the upstream began bills its input even if the client left at once."""
+    from service.proxy.recorder import Call, usage_tokens
+
+    request = {"model": "bot", "messages": [{"role": "user", "content": "Say hi."}]}
+    asked = {"model": "m", "messages": [{"role": "system", "content": "Be terse. " * 150}, *request["messages"]]}
+    call = Call(request_id="r", route="bot", model_key="m", role="stable", segment="chat", started=0.0,
+                request=request, stream=True, status=200)
+    call.response = answer("stop", "hi")
+    alone = usage_tokens(call)[0]
+    call.asked = asked
+    assert usage_tokens(call)[0] > alone + 300
+    call.response = None  # the client left before the first event
+    assert usage_tokens(call) == (usage_tokens(call)[0], 0) and usage_tokens(call)[0] > 300
+    call.status = 429  # refused: nothing billed
+    assert usage_tokens(call) == (0, 0)

@@ -192,7 +192,7 @@ class Proxy:
                                                   f"{headers.get('authorization', '')}|{session_key or ''}", raw)
         model = self.config.models[model_key]
         provider = self.providers[model.provider]
-        asked = model_body(body, model)
+        call.asked = asked = model_body(body, model)
         out = json.dumps(asked, separators=(",", ":"), ensure_ascii=False).encode()
         up_headers = self.upstream_headers(call, model, provider, headers)
         judge = partial(classify_chat, asked, checks=self._checks(call))

@@ -15,10 +15,11 @@ from service import metrics
 from service.bus.base import EventBus
 from service.config import Config, redaction_patterns
 from service.feedback import SESSION, Served, ServedMemory
-from service.proxy.formats.base import Usage, chat_output_chars, estimated_usage, token_count
+from service.proxy.formats.base import Usage, estimated_usage, token_count
 from service.proxy.outcome import Verdict
 from service.proxy.routing import session_hash
 from service.proxy.sampler import ShadowSampler
+from service.proxy.segments import chat_output_chars
 from service.records import OutcomeEvent, PrimaryResult, Role, TrafficEvent
 
 if TYPE_CHECKING:
@@ -68,19 +69,22 @@ class Call:
     view: dict | None = None            # the request's chat view, when `request` is another format
     chat: dict | None = None            # the answer's chat view, when `response` is another format (tracing on)
     headers: dict[str, str] | None = None  # the client's headers its shadow calls repeat (Messages' beta flags)
+    asked: dict | None = None           # the chat body the model was asked (its system_prompt and params in)
 
 
 def usage_tokens(call: Call) -> tuple[int, int]:
-    """(input, output) tokens of an answered call: its usage, else estimated from the text. None for a
-    call without an answer: an upstream that refused it (429, 5xx) or never answered bills none that
-    the proxy could know of."""
+    """(input, output) tokens of an answered call: its usage, else estimated from the text (of what the
+    model was asked). None for a call without an answer: an upstream that refused it (429, 5xx) or never
+    answered bills none that the proxy could know of; a stream it began bills its input."""
     response = call.response
     if response is None:
+        if call.stream and call.status == 200:  # the client left before the first event
+            return estimated_usage(call.asked or call.request or {}, 0).input, 0
         return 0, 0
     usage = response.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
-    estimated = estimated_usage(call.request or {}, chat_output_chars(response))
+    estimated = estimated_usage(call.asked or call.request or {}, chat_output_chars(response))
     return estimated.input, estimated.output
 
 
