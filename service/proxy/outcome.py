@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.config import Checks
-from service.proxy.segments import chat_output_chars, content_text, estimate_tokens, wants_json
+from service.proxy.segments import content_text, wants_json
 from service.proxy.verifiers import check_json, check_tool_calls, requested_schema
 from service.records import Blame, Outcome
 from service.upstream.model_settings import requested_cap
@@ -95,11 +95,8 @@ def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:  # 
 
 
 def _reached(response: dict, cap: int) -> bool:
-    """Whether the answer used its whole cap. Without usage (some servers' streams) its length tells,
-    unless it is far too short for the cap: under an eighth of it at ~4 characters a token (so that
-    text whose script takes a token or more a character still counts as reaching it)."""
+    """Whether the answer used its whole cap; without usage, a `length` stop under a cap is taken as
+    the cap's doing."""
     usage = response.get("usage")
     used = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    if isinstance(used, int):
-        return used >= cap
-    return 8 * estimate_tokens(chat_output_chars(response)) >= cap
+    return not isinstance(used, int) or used >= cap

@@ -15,11 +15,10 @@ from service import metrics
 from service.bus.base import EventBus
 from service.config import Config, redaction_patterns
 from service.feedback import SESSION, Served, ServedMemory
-from service.proxy.formats.base import Usage, estimated_usage, token_count
+from service.proxy.formats.base import Usage, chat_output_chars, estimated_usage, token_count
 from service.proxy.outcome import Verdict
 from service.proxy.routing import session_hash
 from service.proxy.sampler import ShadowSampler
-from service.proxy.segments import chat_output_chars
 from service.records import OutcomeEvent, PrimaryResult, Role, TrafficEvent
 
 if TYPE_CHECKING:

@@ -56,20 +56,3 @@ def classify_segment(body: dict, task_type: str | None = None, task_types: list[
     if user_turns > 2:
         return "multi_turn"
     return "chat"
-
-
-def chat_output_chars(chat: dict | None) -> int:
-    """Characters of text and tool arguments in a chat view's first choice."""
-    try:
-        message = chat["choices"][0]["message"]  # type: ignore[index]
-    except (KeyError, IndexError, TypeError):
-        return 0
-    if not isinstance(message, dict):
-        return 0
-    chars = len(content_text(message.get("content")))
-    tool_calls = message.get("tool_calls")
-    for tc in tool_calls if isinstance(tool_calls, list) else ():
-        fn = tc.get("function") if isinstance(tc, dict) else None
-        arguments = fn.get("arguments") if isinstance(fn, dict) else None
-        chars += len(arguments) if isinstance(arguments, str) else 0
-    return chars

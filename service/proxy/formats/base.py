@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from service.config import Checks, ModelConfig
 from service.proxy.outcome import Verdict
-from service.proxy.segments import chat_output_chars, estimate_tokens, message_chars
+from service.proxy.segments import content_text, estimate_tokens, message_chars
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,6 +143,23 @@ def untold_usage(view: dict, response: dict | None, chat: dict | None) -> Usage:
     """The usage of an answer that did not tell its own (`chat`: its chat view), estimated from the
     text; none without an answer (an upstream that refused or never answered bills none we know of)."""
     return Usage(0, 0) if response is None else estimated_usage(view, chat_output_chars(chat))
+
+
+def chat_output_chars(chat: dict | None) -> int:
+    """Characters of text and tool arguments in a chat view's first choice."""
+    try:
+        message = chat["choices"][0]["message"]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        return 0
+    if not isinstance(message, dict):
+        return 0
+    chars = len(content_text(message.get("content")))
+    tool_calls = message.get("tool_calls")
+    for tc in tool_calls if isinstance(tool_calls, list) else ():
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        arguments = fn.get("arguments") if isinstance(fn, dict) else None
+        chars += len(arguments) if isinstance(arguments, str) else 0
+    return chars
 
 
 def token_count(value: object) -> int:

@@ -7,9 +7,8 @@ from starlette.responses import Response
 
 from service.config import Checks, ModelConfig
 from service.errors import error_body, openai_error
-from service.proxy.formats.base import Reassembled, Usage, estimated_usage, token_count
+from service.proxy.formats.base import Reassembled, Usage, chat_output_chars, estimated_usage, token_count
 from service.proxy.outcome import Verdict, classify_chat
-from service.proxy.segments import chat_output_chars
 from service.proxy.sse import chat_has_output, reassemble
 from service.upstream.errors import error_cause
 from service.upstream.model_settings import model_body
