@@ -213,3 +213,15 @@ def test_estimated_tokens_count_what_the_model_was_asked_and_a_stream_left_befor
     assert usage_tokens(call) == (usage_tokens(call)[0], 0) and usage_tokens(call)[0] > 300
     call.status = 429  # refused: nothing billed
     assert usage_tokens(call) == (0, 0)
+
+
+@pytest.mark.parametrize("chunks,expected", [
+    (None, ("completed", "max_tokens", "client")),  # neither usage nor a stream: taken as the cap's
+    (402, ("completed", "max_tokens", "client")),   # a token a chunk, the role and last chunks besides
+    (120, ("completed", "max_tokens", "client")),   # a server that groups a few tokens a chunk
+    (9, ("failed", "truncated", "model")),          # 7 tokens of 400: the context filled up, not the cap
+])
+def test_a_streamed_length_stop_without_usage_is_told_by_its_chunks(chunks, expected):
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
+    verdict = classify_chat(request, answer("length"), Checks(), chunks=chunks)
+    assert (verdict.outcome, verdict.cause, verdict.blame) == expected

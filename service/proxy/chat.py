@@ -337,7 +337,7 @@ class Proxy:
         return openai_error(reply.status, f"upstream answered HTTP {reply.status}" + (f": {text}" if text else ""),
                             code=call.verdict.cause, headers=headers)
 
-    def _classify_stream(self, call: Call, judge: Callable[[dict], Verdict] | None, raw: bytes,
+    def _classify_stream(self, call: Call, judge: Callable[..., Verdict] | None, raw: bytes,
                          clipped: bool) -> Verdict:
         """The verdict on a captured stream; `judge` classifies the reassembled answer (None: a
         passed-through endpoint, judged by transport and status only)."""
@@ -353,7 +353,7 @@ class Proxy:
             return COMPLETED
         if finish is None:  # e.g. a server that cut the answer short, with or without [DONE]
             return failed("bad_response", "stream ended without a finish_reason")
-        return judge(response)
+        return judge(response, chunks=raw.count(b'"delta"'))  # a JSON key: in a string it would be escaped
 
     @staticmethod
     def _tally_stream(call: Call, raw: bytes) -> None:

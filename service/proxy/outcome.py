@@ -54,9 +54,10 @@ def failed(cause: str, detail: str | None = None) -> Verdict:
     return Verdict("failed", cause, CAUSE_BLAME[cause], detail)
 
 
-def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:  # noqa: C901 - the outcome rules in their order of precedence (DESIGN §6)
+def classify_chat(request: dict, response: dict, checks: Checks, chunks: int | None = None) -> Verdict:  # noqa: C901 - the outcome rules in their order of precedence (DESIGN §6)
     """Verdict on a successful (2xx) chat completion body, streamed answers reassembled first.
-    `request` is what the model was asked (a model's `params` included)."""
+    `request` is what the model was asked (a model's `params` included); `chunks`, a streamed answer's
+    number of chunks."""
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return failed("bad_response", "no choices in the answer")
@@ -77,7 +78,7 @@ def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:  # 
         return failed("refusal", str(message["refusal"])[:200])
     if finish == "length":
         cap = requested_cap(request)
-        return MAX_TOKENS if cap is not None and _reached(response, cap) else failed("truncated")
+        return MAX_TOKENS if cap is not None and _reached(response, cap, chunks) else failed("truncated")
     if tool_calls:
         if not isinstance(tool_calls, list):
             return failed("bad_response", "tool_calls is not a list")
@@ -94,9 +95,12 @@ def classify_chat(request: dict, response: dict, checks: Checks) -> Verdict:  # 
     return COMPLETED
 
 
-def _reached(response: dict, cap: int) -> bool:
-    """Whether the answer used its whole cap; without usage, a `length` stop under a cap is taken as
-    the cap's doing."""
+def _reached(response: dict, cap: int, chunks: int | None) -> bool:
+    """Whether the answer used its whole cap: by its usage; without usage (llama.cpp's streams), by a
+    stream's chunks, a token each or a few where a server groups them (under a quarter of the cap, the
+    stop was not the cap's: the context filled up, say); an answer without either is taken as the cap's."""
     usage = response.get("usage")
     used = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return not isinstance(used, int) or used >= cap
+    if isinstance(used, int):
+        return used >= cap
+    return chunks is None or 4 * chunks >= cap
