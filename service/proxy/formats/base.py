@@ -99,14 +99,6 @@ class ApiFormat(Protocol):
 # ---- helpers the formats share -----------------------------------------------------------------
 
 
-def sse_json(data: bytes) -> dict | None:
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def named_event(name: str, payload: dict) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 

@@ -24,7 +24,7 @@ from service.proxy.formats import base
 from service.proxy.outcome import MAX_TOKENS, Verdict, classify_chat, failed
 from service.proxy.segments import content_text
 from service.proxy.sse import sse_events
-from service.upstream.errors import error_cause
+from service.upstream.errors import error_cause, json_object
 
 # `error.type` -> cause (DESIGN §6)
 ERROR_TYPES = {"overloaded_error": "provider_5xx", "api_error": "provider_5xx", "rate_limit_error": "rate_limited",
@@ -132,7 +132,7 @@ class MessagesFormat:
         tool_json: dict[int, list[str]] = {}
         ended = False
         for name, data in sse_events(raw):
-            event = base.sse_json(data)
+            event = json_object(data)
             if event is None:
                 return base.Reassembled(None, False, "malformed SSE data")
             kind = event.get("type") or name

@@ -21,7 +21,7 @@ from service.errors import error_body, openai_error
 from service.proxy.formats import base
 from service.proxy.outcome import COMPLETED, MAX_TOKENS, Verdict, classify_chat, failed
 from service.proxy.sse import sse_events
-from service.upstream.errors import error_cause, in_answer_cause
+from service.upstream.errors import error_cause, in_answer_cause, json_object
 from service.upstream.model_settings import CAP_FIELDS
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
@@ -148,7 +148,7 @@ class ResponsesFormat:
         for name, data in sse_events(raw):
             if data == b"[DONE]":
                 continue
-            event = base.sse_json(data)
+            event = json_object(data)
             if event is None:
                 return base.Reassembled(None, False, "malformed SSE data")
             kind = event.get("type") or name
