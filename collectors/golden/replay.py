@@ -133,8 +133,6 @@ def replay_config(config: Config, routes: set[str], candidate: str, stable: str 
     out = {}
     for route in routes:
         rc = config.routes[route]
-        if (why := config.mixed_apis(stable or rc.stable, candidate)) is not None:
-            raise ReplayInputError(f"--candidate: route {route!r}: {why}")
         stability = rc.shadow.stability
         if repeats is not None:
             stability = stability.model_copy(update={"sample_rate": 1.0 if repeats >= 2 else 0.0,
@@ -207,8 +205,7 @@ def _fresh_reference(record: EvaluationRecord) -> None:
 
 async def run(cases: list[Case], config: Config, candidate: str, stable: str | None, repeats: int | None,
               progress: Callable[[int, int], None]) -> tuple[dict[str, RouteRun], RecordingClient]:
-    """Replay every case (`servable` ones); `progress(done, total)` after each one."""
-    check_cases(cases, config)
+    """Replay every case (of those `servable` kept); `progress(done, total)` after each one."""
     routes = {c.route for c in cases}
     cfg = replay_config(config, routes, candidate, stable, repeats)
     runs = {route: RouteRun(route, cfg.routes[route]) for route in sorted(routes)}
