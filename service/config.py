@@ -235,11 +235,13 @@ class ShadowConfig(Strict):
     def _regexes_compile(cls, v: list[str]) -> list[str]:
         problems = []
         for i, pattern in enumerate(v, start=1):
+            if pattern.startswith(BUILTIN_PREFIX):
+                if pattern not in REDACT_BUILTINS:
+                    problems.append(f"entry {i}: unknown built-in pattern {pattern!r}; use one of "
+                                    f"{', '.join(REDACT_BUILTINS)}")
+                continue
             try:
-                if pattern.startswith(BUILTIN_PREFIX) and pattern not in REDACT_BUILTINS:
-                    raise ValueError(f"unknown built-in pattern {pattern!r}; use one of {', '.join(REDACT_BUILTINS)}")
-                if not pattern.startswith(BUILTIN_PREFIX):
-                    check_regex(pattern)
+                check_regex(pattern)
             except ValueError as e:
                 problems.append(f"entry {i}: {e}")
         if problems:
