@@ -5,9 +5,13 @@ events, not on an event cut in half."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import aiohttp
 import pytest
@@ -172,3 +176,70 @@ def test_a_stream_the_upstream_cuts_short_still_costs_its_tokens(servers):
     assert metric_value(text, "modelcanary_failures_total", model="claude-m", cause="bad_response") == 1
     assert metric_value(text, "modelcanary_tokens_total", model="claude-m", type="input") == 1000
     assert metric_value(text, "modelcanary_tokens_total", model="claude-m", type="output") == 500  # 2,000 chars
+
+
+
+@contextlib.contextmanager
+def head_then_silence(hold_s: float) -> Iterator[str]:
+    """An upstream that answers any POST with an event stream's head, then sends nothing for `hold_s`
+    and ends the body: a stream begun with no event yet."""
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            self.wfile.flush()
+            time.sleep(hold_s)
+            self.wfile.write(b"0\r\n\r\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def leave_at_the_head(url: str, body: dict) -> None:
+    """Stream, and hang up once the answer's head has come, before its first event."""
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(url, json=body)
+        assert response.status == 200, await response.text()
+        response.close()
+
+
+@pytest.mark.parametrize("api", list(CASES))
+def test_a_stream_left_before_its_first_event_costs_its_input(servers, api):
+    """The upstream began the answer (its 200 came), so the prompt is billed: estimated from what the
+    model was asked, on every API; no output came, so none is billed."""
+    with head_then_silence(3.0) as url:
+        cfg = proxy_config(url)
+        model, route = "stable-m", "support-bot"
+        if api == "messages":
+            cfg["providers"]["claude"] = {"base_url": url + "/v1", "api": "anthropic", "timeout_s": 10}
+            cfg["models"]["claude-m"] = {"provider": "claude", "name": "good-model",
+                                         "price": {"input_per_mtok": 3.0, "output_per_mtok": 15.0}}
+            cfg["routes"]["claude-r"] = {"stable": "claude-m"}
+            model, route = "claude-m", "claude-r"
+        proxy = servers.proxy(cfg)
+        path, body, _ = CASES[api]
+        asyncio.run(leave_at_the_head(proxy.url + path, {"model": route, "stream": True, **body}))
+        deadline = time.monotonic() + 10
+        while True:
+            text = scrape(proxy.url)
+            cancelled = metric_value(text, "modelcanary_failures_total", model=model, cause="client_cancelled")
+            if cancelled == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert cancelled == 1
+    assert metric_value(text, "modelcanary_tokens_total", model=model, type="input") >= 3
+    assert metric_value(text, "modelcanary_tokens_total", model=model, type="output") == 0
+    assert "Traceback" not in proxy.output()

@@ -96,6 +96,7 @@ class FormatEndpoint:
         out = json.dumps(asked, separators=(",", ":"), ensure_ascii=False).encode()
         if model.params or model.system_prompt is not None:
             view = fmt.view(asked)  # the answer is judged against what the model was asked
+        call.asked = view  # a stream left before its first event bills this input
         up_headers = proxy.upstream_headers(call, model, provider, headers, FORWARDED_REQUEST_HEADERS)
 
         proxy._start(call)
