@@ -34,7 +34,7 @@ from service.bus.kafka.consumer import KafkaSubscription
 from service.bus.kafka.internals import finish_stalled_join, force_close, session_age, topic_id
 from service.config import KafkaConfig, SpoolConfig
 from service.proxy.fast_path import CHAT_PATH, ProxyApp, native_telemetry_on
-from service.proxy.native import ChatCycle
+from service.proxy.native import ChatCycle, on_leave_in_scope
 from service.proxy.server import GuardedHttpToolsProtocol
 
 pytestmark = pytest.mark.timeout(120)
@@ -400,6 +400,33 @@ def test_a_chat_answer_below_asgi_closes_when_http_1_0_or_shutting_down_and_hear
         answerer.release.set()
         await until(lambda: answerer.gone_at_answer, "answered")
         assert answerer.gone_at_answer == [True]
+
+    asyncio.run(go())
+
+
+def test_an_asgi_request_whose_client_left_before_the_wait_is_told_when_it_arms():
+    """A client that hangs up before the proxy waits for the upstream (while its body is read, its
+    route picked): the callback armed afterwards is called at once, so the upstream is never waited for."""
+    async def go():
+        arming = asyncio.Event()
+        told: list[str] = []
+
+        async def app(scope, receive, send):
+            await arming.wait()
+            on_leave_in_scope(scope, lambda: told.append("left"))
+            told.append("armed")
+            on_leave_in_scope(scope, None)
+
+        protocol, theirs = await connect(app)
+        await asyncio.get_running_loop().sock_sendall(theirs, b"POST /v1/responses HTTP/1.1\r\nHost: x\r\n"
+                                                              b"Content-Length: 2\r\n\r\n{}")
+        await until(lambda: protocol.cycle is not None, "a cycle")
+        cycle = protocol.cycle
+        theirs.close()
+        await until(lambda: cycle.disconnected, "told the client left")
+        arming.set()
+        await until(lambda: "armed" in told, "armed")
+        assert told == ["left", "armed"]
 
     asyncio.run(go())
 

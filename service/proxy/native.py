@@ -57,8 +57,15 @@ OnLeave = Callable[[Callable[[], None] | None], None]
 LEAVE_KEY = "modelcanary.on_leave"  # where an ASGI request's armed callback waits (its scope)
 
 
+def left_before_armed() -> None:
+    """What the protocol leaves in the scope of a request whose client left before anyone waited."""
+
+
 def on_leave_in_scope(scope: MutableMapping[str, Any], callback: Callable[[], None] | None) -> None:
-    """`OnLeave` for a request that came through ASGI: the protocol finds the callback in its scope."""
+    """`OnLeave` for a request that came through ASGI: the protocol finds the callback in its scope, or
+    has left word there that the client is gone already (then it is told at once, as below ASGI)."""
+    if callback is not None and scope.get(LEAVE_KEY) is left_before_armed:
+        callback()
     scope[LEAVE_KEY] = callback
 
 

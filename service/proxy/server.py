@@ -28,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.errors import error_body
 from service.proxy.chat import header_map
 from service.proxy.fast_path import CHAT_PATH, ProxyApp
-from service.proxy.native import LEAVE_KEY, ChatAnswerer, ChatCycle
+from service.proxy.native import LEAVE_KEY, ChatAnswerer, ChatCycle, left_before_armed
 
 if TYPE_CHECKING:
     from service.proxy.app import Runtime
@@ -68,6 +68,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]  # ASGI's scope, with our key in it
             if (left := scope.pop(LEAVE_KEY, None)) is not None:
                 left()
+            else:  # nobody waits yet: whoever arms the callback later is told at once
+                scope[LEAVE_KEY] = left_before_armed
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
