@@ -9,7 +9,7 @@ import time
 import pytest
 
 from service.config import Checks, ModelConfig
-from service.proxy.outcome import CAUSE_BLAME, classify_chat
+from service.proxy.outcome import CAUSE_BLAME, classify_chat, failed
 from service.upstream.errors import RETRYABLE_STATUS, error_cause
 from service.upstream.model_settings import model_body, requested_cap
 
@@ -210,9 +210,24 @@ def test_estimated_tokens_count_what_the_model_was_asked_and_a_stream_left_befor
     call.asked = asked
     assert usage_tokens(call)[0] > alone + 300
     call.response = None  # the client left before the first event
+    call.verdict = failed("client_cancelled")
     assert usage_tokens(call) == (usage_tokens(call)[0], 0) and usage_tokens(call)[0] > 300
+    call.verdict = failed("bad_response", "no chunks in the stream")  # ended without an event (llama.cpp
+    assert usage_tokens(call) == (0, 0)                                # past its context): nothing evaluated
+    call.verdict = failed("client_cancelled")
     call.status = 429  # refused: nothing billed
     assert usage_tokens(call) == (0, 0)
+
+
+def test_a_refusal_counts_as_output():
+    """A streamed refusal (`delta.refusal`) without usage is the model's output, estimated like text."""
+    from service.proxy.recorder import Call, usage_tokens
+
+    call = Call(request_id="r", route="bot", model_key="m", role="stable", segment="chat", started=0.0,
+                request={"messages": [{"role": "user", "content": "help me"}]}, stream=True, status=200)
+    call.response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": None, "refusal": "I'm sorry, but I can't help with that request."}}]}
+    assert usage_tokens(call)[1] >= 10
 
 
 @pytest.mark.parametrize("chunks,expected", [

@@ -180,9 +180,9 @@ def test_a_stream_the_upstream_cuts_short_still_costs_its_tokens(servers):
 
 
 @contextlib.contextmanager
-def head_then_silence(hold_s: float) -> Iterator[str]:
-    """An upstream that answers any POST with an event stream's head, then sends nothing for `hold_s`
-    and ends the body: a stream begun with no event yet."""
+def events_then_silence(events: bytes, hold_s: float) -> Iterator[str]:
+    """An upstream that answers any POST with an event stream: `events` at once, then nothing for
+    `hold_s` (the connection kept open), then the body's end."""
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -192,6 +192,8 @@ def head_then_silence(hold_s: float) -> Iterator[str]:
             self.send_header("content-type", "text/event-stream")
             self.send_header("transfer-encoding", "chunked")
             self.end_headers()
+            if events:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(events), events))
             self.wfile.flush()
             time.sleep(hold_s)
             self.wfile.write(b"0\r\n\r\n")
@@ -208,6 +210,28 @@ def head_then_silence(hold_s: float) -> Iterator[str]:
         server.server_close()
 
 
+def start_proxy(servers, url: str, api: str):
+    """A proxy on `url` for `api`: (proxy, model key, route)."""
+    cfg = proxy_config(url)
+    if api != "messages":
+        return servers.proxy(cfg), "stable-m", "support-bot"
+    cfg["providers"]["claude"] = {"base_url": url + "/v1", "api": "anthropic", "timeout_s": 10}
+    cfg["models"]["claude-m"] = {"provider": "claude", "name": "good-model",
+                                 "price": {"input_per_mtok": 3.0, "output_per_mtok": 15.0}}
+    cfg["routes"]["claude-r"] = {"stable": "claude-m"}
+    return servers.proxy(cfg), "claude-m", "claude-r"
+
+
+def wait_failed(url: str, model: str) -> str:
+    """The metrics once a failure of `model` is recorded."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = scrape(url)
+        if metric_value(text, "modelcanary_failures_total", model=model) >= 1 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 async def leave_at_the_head(url: str, body: dict) -> None:
     """Stream, and hang up once the answer's head has come, before its first event."""
     async with aiohttp.ClientSession() as session:
@@ -220,26 +244,95 @@ async def leave_at_the_head(url: str, body: dict) -> None:
 def test_a_stream_left_before_its_first_event_costs_its_input(servers, api):
     """The upstream began the answer (its 200 came), so the prompt is billed: estimated from what the
     model was asked, on every API; no output came, so none is billed."""
-    with head_then_silence(3.0) as url:
-        cfg = proxy_config(url)
-        model, route = "stable-m", "support-bot"
-        if api == "messages":
-            cfg["providers"]["claude"] = {"base_url": url + "/v1", "api": "anthropic", "timeout_s": 10}
-            cfg["models"]["claude-m"] = {"provider": "claude", "name": "good-model",
-                                         "price": {"input_per_mtok": 3.0, "output_per_mtok": 15.0}}
-            cfg["routes"]["claude-r"] = {"stable": "claude-m"}
-            model, route = "claude-m", "claude-r"
-        proxy = servers.proxy(cfg)
+    with events_then_silence(b"", 3.0) as url:
+        proxy, model, route = start_proxy(servers, url, api)
         path, body, _ = CASES[api]
         asyncio.run(leave_at_the_head(proxy.url + path, {"model": route, "stream": True, **body}))
-        deadline = time.monotonic() + 10
-        while True:
-            text = scrape(proxy.url)
-            cancelled = metric_value(text, "modelcanary_failures_total", model=model, cause="client_cancelled")
-            if cancelled == 1 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    assert cancelled == 1
+        text = wait_failed(proxy.url, model)
+    assert metric_value(text, "modelcanary_failures_total", model=model, cause="client_cancelled") == 1
     assert metric_value(text, "modelcanary_tokens_total", model=model, type="input") >= 3
     assert metric_value(text, "modelcanary_tokens_total", model=model, type="output") == 0
     assert "Traceback" not in proxy.output()
+
+
+def sse(*events: dict, named: bool = False) -> bytes:
+    return b"".join((b"event: %s\n" % e["type"].encode() if named else b"") + b"data: " + json.dumps(e).encode()
+                    + b"\n\n" for e in events)
+
+
+PARTIAL_THEN_ERROR = {
+    "chat": (sse({"id": "c1", "object": "chat.completion.chunk", "model": "m",
+                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Partial answer, then"}}]},
+                 {"error": {"message": "slow down", "type": "requests", "code": "rate_limit_exceeded"}}),
+             "rate_limited", 0),
+    "responses": (sse({"type": "response.created", "response": {"id": "r1", "object": "response", "status": "in_progress",
+                                                                 "output": []}},
+                      {"type": "response.output_item.added", "output_index": 0,
+                       "item": {"type": "message", "role": "assistant", "content": []}},
+                      {"type": "response.output_text.delta", "output_index": 0, "delta": "Partial answer, then"},
+                      {"type": "error", "code": "server_error", "message": "the model failed"}, named=True),
+                  "provider_5xx", 0),
+    "messages": (sse({"type": "message_start", "message": {"id": "m1", "type": "message", "role": "assistant",
+                                                           "content": [], "usage": {"input_tokens": 25, "output_tokens": 1}}},
+                     {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                     {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta",
+                                                                            "text": "Partial answer, then"}},
+                     {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}, named=True),
+                 "provider_5xx", 25),
+}
+
+
+async def leave_after(url: str, body: dict, marker: bytes) -> bytes:
+    """Stream, read until `marker` came, then hang up (as an SDK does once it raised on an error event)."""
+    got = b""
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(url, json=body)
+        assert response.status == 200, await response.text()
+        while marker not in got:
+            chunk = await asyncio.wait_for(response.content.readany(), 10)
+            assert chunk, f"the stream ended before {marker!r}: {got[-500:]!r}"
+            got += chunk
+        response.close()
+    return got
+
+
+@pytest.mark.parametrize("api", list(PARTIAL_THEN_ERROR))
+def test_an_error_event_the_client_was_sent_is_the_providers_failure_even_if_the_client_then_left(servers, api):
+    """The upstream sends part of an answer, then an error event, and holds the connection open; the
+    client reads the error and hangs up. The call failed as the provider said (not client_cancelled),
+    and the tokens it sent count (Messages: the input it told at the start)."""
+    events, cause, told_input = PARTIAL_THEN_ERROR[api]
+    with events_then_silence(events, 5.0) as url:
+        proxy, model, route = start_proxy(servers, url, api)
+        path, body, _ = CASES[api]
+        got = asyncio.run(leave_after(proxy.url + path, {"model": route, "stream": True, **body}, b"error"))
+        text = wait_failed(proxy.url, model)
+    assert b"Partial answer, then" in got
+    assert metric_value(text, "modelcanary_failures_total", model=model, cause=cause, blame="provider") == 1, text
+    assert metric_value(text, "modelcanary_failures_total", model=model, cause="client_cancelled") == 0
+    assert metric_value(text, "modelcanary_tokens_total", model=model, type="output") >= 3
+    if told_input:
+        assert metric_value(text, "modelcanary_tokens_total", model=model, type="input") == told_input
+    assert "Traceback" not in proxy.output()
+
+
+def test_a_malformed_event_the_client_was_sent_is_a_bad_response_even_if_the_client_then_left(servers):
+    events = sse({"id": "c1", "object": "chat.completion.chunk", "model": "m",
+                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Partial"}}]}) + b"data: {oops\n\n"
+    with events_then_silence(events, 5.0) as url:
+        proxy, model, route = start_proxy(servers, url, "chat")
+        path, body, _ = CASES["chat"]
+        asyncio.run(leave_after(proxy.url + path, {"model": route, "stream": True, **body}, b"{oops"))
+        text = wait_failed(proxy.url, model)
+    assert metric_value(text, "modelcanary_failures_total", model=model, cause="bad_response", blame="provider") == 1
+
+
+def test_a_chunk_with_a_null_error_is_no_error():
+    """As the openai SDKs read a chunk: `"error": null` beside the choices is no error."""
+    from service.proxy.sse import reassemble
+
+    result = reassemble(sse({"id": "c1", "object": "chat.completion.chunk", "model": "m", "error": None,
+                             "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]})
+                        + b"data: [DONE]\n\n")
+    assert result.problem is None and result.ended and result.response is not None
+    assert result.response["choices"][0]["message"]["content"] == "ok"

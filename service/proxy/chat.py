@@ -343,9 +343,10 @@ class Proxy:
         passed-through endpoint, judged by transport and status only)."""
         if judge is None:
             return COMPLETED
-        response, _, problem, cause = reassemble(raw)
-        if problem is not None or response is None:
-            return failed(cause, problem)
+        result = reassemble(raw)
+        response = result.response
+        if result.problem is not None or response is None:
+            return failed(result.cause, result.problem)
         call.response = response
         finish = response["choices"][0].get("finish_reason")
         call.finish_reasons = [finish] if finish else []
@@ -356,12 +357,14 @@ class Proxy:
         return judge(response, chunks=raw.count(b'"delta"'))  # a JSON key: in a string it would be escaped
 
     @staticmethod
-    def _tally_stream(call: Call, raw: bytes) -> None:
+    def _tally_stream(call: Call, raw: bytes) -> Verdict | None:
         """A chat stream that stopped before its end: its answer as far as it went, so that its tokens
-        count (estimated from the text: a stream tells its usage only at its end)."""
-        response, _, problem, _ = reassemble(raw)
-        if problem is None and response is not None:
-            call.response = response
+        count (estimated from the text: a stream tells its usage only at its end); and the failure its
+        events hold, if any (an error event the client was sent before it left)."""
+        result = reassemble(raw)
+        if result.response is not None:
+            call.response = result.response
+        return failed(result.cause, result.problem) if result.broken else None
 
     def _checks(self, call: Call) -> Checks:
         rc = self.config.routes.get(call.route)

@@ -184,20 +184,23 @@ class FormatEndpoint:
         result = self.fmt.reassemble(raw)
         if result.response is not None and result.ended:
             return self._answered(call, result.response, view)
-        if clipped and result.response is not None:  # longer than we keep, no error in what we kept
+        if clipped and result.response is not None and not result.broken:  # longer than we keep, no error in it
             return COMPLETED
         return failed(result.cause, result.problem)
 
-    def _tally_stream(self, call: Call, view: dict, raw: bytes) -> None:
+    def _tally_stream(self, call: Call, view: dict, raw: bytes) -> Verdict | None:
         """A stream that stopped before its end: its answer as far as it went, so that its tokens count.
         Input as the upstream counted it when it said so (Messages, at the start), output at least what
-        the text seen holds (a count told at the start is not the final one)."""
+        the text seen holds (a count told at the start is not the final one). Returns the failure its
+        events hold, if any (an error event the client was sent before it left)."""
         result = self.fmt.reassemble(raw)
+        seen = failed(result.cause, result.problem) if result.broken else None
         if result.response is None:
-            return
+            return seen
         call.response = result.response
         chat = self.fmt.chat_view(result.response)
         told = self.fmt.usage(view, result.response)
         call.usage = replace(told, output=max(told.output, untold_usage(view, result.response, chat).output))
         if call.span is not None:
             call.chat = chat
+        return seen

@@ -74,10 +74,11 @@ class Call:
 def usage_tokens(call: Call) -> tuple[int, int]:
     """(input, output) tokens of an answered call: its usage, else estimated from the text (of what the
     model was asked). None for a call without an answer: an upstream that refused it (429, 5xx) or never
-    answered bills none that the proxy could know of; a stream it began bills its input."""
+    answered bills none that the proxy could know of; a stream it began, that its client left before
+    the first event, bills its input (one that ended without an event bills none)."""
     response = call.response
     if response is None:
-        if call.stream and call.status == 200:  # the client left before the first event
+        if call.stream and call.status == 200 and call.verdict is not None and call.verdict.cause == "client_cancelled":
             return estimated_usage(call.asked or call.request or {}, 0).input, 0
         return 0, 0
     usage = response.get("usage")

@@ -6,12 +6,27 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from service.upstream.errors import in_answer_cause
 
 # the first output of a chat stream: a non-empty text, refusal or reasoning delta, or a tool call's
 # name or arguments (the first chunk's `"content":""` beside the role is not output)
 _CHAT_OUTPUT = re.compile(rb'"(?:content|refusal|reasoning_content|reasoning|name|arguments)":\s*"(?!")')
+
+
+@dataclass(slots=True)
+class Reassembled:
+    """A streamed answer put back together. `response` is shaped like the non-streamed body (as far
+    as the stream went); `ended`: the format's end-of-stream event was seen; `problem`: why it can't
+    be read, with its cause (an upstream error event names one); `broken`: the events hold an upstream
+    error event or data that can't be read, so the stream failed there, whatever came after."""
+
+    response: dict | None
+    ended: bool
+    problem: str | None = None
+    cause: str = "bad_response"
+    broken: bool = False
 
 
 def sse_events(raw: bytes) -> Iterator[tuple[str | None, bytes]]:
@@ -57,10 +72,10 @@ def _merge_tool_call(calls: dict[int, dict], delta: dict) -> None:
             call["function"][key] = part  # not text: kept as sent, for the verifiers to reject
 
 
-def reassemble(raw: bytes) -> tuple[dict | None, bool, str | None, str]:  # noqa: C901 - one pass over the SSE events, a branch per field of a chunk
-    """(response, saw_done, problem, cause). `response` is shaped like a non-streamed chat completion;
-    `problem` is an upstream error event's message, or a parse problem; `cause` is the error event's
-    cause (DESIGN §6), `bad_response` for a stream that can't be read."""
+def reassemble(raw: bytes) -> Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per field of a chunk
+    """A chat stream as a non-streamed chat completion; `ended` once it gave a finish_reason or
+    `[DONE]`. An error event (its cause as DESIGN §6 names it) or unreadable data ends the reading:
+    the answer is what came before it."""
     content: list[str] = []
     refusal: list[str] = []
     calls: dict[int, dict] = {}
@@ -70,6 +85,8 @@ def reassemble(raw: bytes) -> tuple[dict | None, bool, str | None, str]:  # noqa
     rid = None
     saw_done = False
     saw_chunk = False
+    problem: str | None = None
+    cause = "bad_response"
     for _, data in sse_events(raw):
         if data == b"[DONE]":
             saw_done = True
@@ -77,14 +94,18 @@ def reassemble(raw: bytes) -> tuple[dict | None, bool, str | None, str]:  # noqa
         try:
             chunk = json.loads(data)
         except ValueError:
-            return None, saw_done, "malformed SSE data line", "bad_response"
+            problem = "malformed SSE data line"
+            break
         if not isinstance(chunk, dict):
-            return None, saw_done, "SSE data is not an object", "bad_response"
-        if "error" in chunk:
+            problem = "SSE data is not an object"
+            break
+        if chunk.get("error"):  # as the openai SDKs read it: `"error": null` is no error
             err = chunk["error"]
-            if not isinstance(err, dict):
-                return None, saw_done, str(err)[:200], "provider_5xx"
-            return None, saw_done, str(err.get("message"))[:200], in_answer_cause(err.get("code") or err.get("type"))
+            if isinstance(err, dict):
+                problem, cause = str(err.get("message"))[:200], in_answer_cause(err.get("code") or err.get("type"))
+            else:
+                problem, cause = str(err)[:200], "provider_5xx"
+            break
         saw_chunk = True
         model = chunk.get("model", model)
         rid = chunk.get("id", rid)
@@ -106,12 +127,13 @@ def reassemble(raw: bytes) -> tuple[dict | None, bool, str | None, str]:  # noqa
                     _merge_tool_call(calls, tc)
             if choice.get("finish_reason"):
                 finish = choice["finish_reason"]
+    broken = problem is not None
     if not saw_chunk:
-        return None, saw_done, "no chunks in the stream", "bad_response"
+        return Reassembled(None, saw_done, problem or "no chunks in the stream", cause, broken)
     message: dict = {"role": "assistant", "content": "".join(content) if content else None,
                      "refusal": "".join(refusal) if refusal else None}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     response = {"id": rid, "object": "chat.completion", "model": model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
-    return response, saw_done, None, "bad_response"
+    return Reassembled(response, not broken and (saw_done or finish is not None), problem, cause, broken)

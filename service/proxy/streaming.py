@@ -71,12 +71,13 @@ class StreamRelay:
     (`clipped`: only its first STREAM_CAPTURE_LIMIT bytes, whole events; such a stream is whole only
     once its last event was forwarded); `tally(raw)` notes the answer of a stream that left none for
     the call (it stopped before its end: the client left, the upstream cut it), from the whole events
-    captured, so that its tokens count; `finish(call)` ends the call (metrics, outcome), exactly
+    captured, so that its tokens count, and returns the failure those events hold (an upstream error
+    event), if any; `finish(call)` ends the call (metrics, outcome), exactly
     once, from `close`, which the response runs whenever the stream stops, also when it never started.
     """
 
     def __init__(self, call: Call, reply: UpstreamReply, judge: Callable[[bytes, bool], Verdict],
-                 tally: Callable[[bytes], None] | None, finish: Callable[[Call], None],
+                 tally: Callable[[bytes], Verdict | None] | None, finish: Callable[[Call], None],
                  is_over: Callable[[bytes], bool] = chat_stream_over, has_output: Callable[[bytes], bool] | None = None,
                  error_event: Callable[[int, str, str], bytes] = chat_error_event):
         """`has_output(events)`: whether events carry output, for time to first token (default: any
@@ -143,14 +144,15 @@ class StreamRelay:
             return
         self._closed = True
         call = self.call
-        if call.verdict is None:
-            call.verdict = failed("client_cancelled") if client_left else \
-                failed("proxy_error", "the stream was stopped before the answer ended")
+        seen = None
         if call.response is None and self._tally is not None and self._captured:
             try:
-                self._tally(self._whole_events())
+                seen = self._tally(self._whole_events())
             except Exception:  # the call still ends, without the tokens of its partial answer
                 log.exception("could not read the partial answer of request %s", call.request_id)
+        if call.verdict is None:  # an error the client was sent is what it saw, also if it left then
+            call.verdict = seen or (failed("client_cancelled") if client_left else
+                                    failed("proxy_error", "the stream was stopped before the answer ended"))
         if not self._over:
             self.reply.release()
         self._finish(call)

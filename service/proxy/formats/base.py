@@ -18,6 +18,7 @@ from starlette.responses import Response
 from service.config import Checks, ModelConfig
 from service.proxy.outcome import Verdict
 from service.proxy.segments import content_text, estimate_tokens, message_chars
+from service.proxy.sse import Reassembled as Reassembled  # what each format's `reassemble` answers
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,18 +33,6 @@ class Usage:
     @property
     def total_input(self) -> int:
         return self.input + self.cache_read + self.cache_write
-
-
-@dataclass(slots=True)
-class Reassembled:
-    """A streamed answer put back together. `response` is shaped like the non-streamed body;
-    `ended`: the format's end-of-stream event was seen; `problem`: why it can't be read, with its
-    cause (an upstream error event names one)."""
-
-    response: dict | None
-    ended: bool
-    problem: str | None = None
-    cause: str = "bad_response"
 
 
 class ApiFormat(Protocol):
@@ -138,7 +127,7 @@ def untold_usage(view: dict, response: dict | None, chat: dict | None) -> Usage:
 
 
 def chat_output_chars(chat: dict | None) -> int:
-    """Characters of text and tool arguments in a chat view's first choice."""
+    """Characters of text, refusal and tool arguments in a chat view's first choice."""
     try:
         message = chat["choices"][0]["message"]  # type: ignore[index]
     except (KeyError, IndexError, TypeError):
@@ -146,6 +135,8 @@ def chat_output_chars(chat: dict | None) -> int:
     if not isinstance(message, dict):
         return 0
     chars = len(content_text(message.get("content")))
+    refusal = message.get("refusal")
+    chars += len(refusal) if isinstance(refusal, str) else 0
     tool_calls = message.get("tool_calls")
     for tc in tool_calls if isinstance(tool_calls, list) else ():
         fn = tc.get("function") if isinstance(tc, dict) else None

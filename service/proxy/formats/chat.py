@@ -51,9 +51,7 @@ class ChatFormat:
         return estimated_usage(view, chat_output_chars(response))
 
     def reassemble(self, raw: bytes) -> Reassembled:
-        response, saw_done, problem, cause = reassemble(raw)
-        finished = response is not None and response["choices"][0].get("finish_reason") is not None
-        return Reassembled(response, saw_done or finished, problem, cause)
+        return reassemble(raw)
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         return b"data: " + error_body(status, message, code) + b"\n\n"

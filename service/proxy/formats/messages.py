@@ -131,15 +131,18 @@ class MessagesFormat:
         blocks: dict[int, dict] = {}
         tool_json: dict[int, list[str]] = {}
         ended = False
+        problem: str | None = None
+        cause = "bad_response"
         for name, data in sse_events(raw):
             event = json_object(data)
             if event is None:
-                return base.Reassembled(None, False, "malformed SSE data")
+                problem = "malformed SSE data"
+                break
             kind = event.get("type") or name
             if kind == "error":
                 err = found if isinstance(found := event.get("error"), dict) else {}
-                return base.Reassembled(None, False, str(err.get("message") or "error event")[:200],
-                                        self.error_cause(500, event))
+                problem, cause = str(err.get("message") or "error event")[:200], self.error_cause(500, event)
+                break
             index = found if isinstance(found := event.get("index"), int) else 0
             if kind == "message_start" and isinstance(event.get("message"), dict):
                 message = dict(event["message"])
@@ -163,7 +166,7 @@ class MessagesFormat:
             elif kind == "message_stop":
                 ended = True
         if message is None:
-            return base.Reassembled(None, ended, "no message_start in the stream")
+            return base.Reassembled(None, ended, problem or "no message_start in the stream", cause, problem is not None)
         for index, parts in tool_json.items():
             text = "".join(parts)
             try:
@@ -171,6 +174,8 @@ class MessagesFormat:
             except ValueError:
                 blocks[index]["input"] = text  # not JSON: kept as the model wrote it
         message["content"] = [blocks[i] for i in sorted(blocks)]
+        if problem is not None:  # the answer as far as it went, its input as told at the start
+            return base.Reassembled(message, False, problem, cause, broken=True)
         if not ended:
             return base.Reassembled(message, False, "stream ended before message_stop")
         return base.Reassembled(message, True)

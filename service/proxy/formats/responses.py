@@ -150,12 +150,14 @@ class ResponsesFormat:
                 continue
             event = json_object(data)
             if event is None:
-                return base.Reassembled(None, False, "malformed SSE data")
+                return base.Reassembled(_unfinished(done_items, begun, deltas), False, "malformed SSE data",
+                                        broken=True)
             kind = event.get("type") or name
             if kind == "error":
                 err = found if isinstance(found := event.get("error"), dict) else event
-                return base.Reassembled(None, False, str(err.get("message") or "error event")[:200],
-                                        in_answer_cause(err.get("code")))
+                return base.Reassembled(_unfinished(done_items, begun, deltas), False,
+                                        str(err.get("message") or "error event")[:200], in_answer_cause(err.get("code")),
+                                        broken=True)
             index = event.get("output_index")
             if kind == "response.output_item.done" and isinstance(event.get("item"), dict):
                 done_items[index if isinstance(index, int) else len(done_items)] = event["item"]
