@@ -533,3 +533,37 @@ async def test_a_claim_counts_only_once_the_broker_has_it(fresh_kafka_broker, tm
     finally:
         await leadership.close()
         await bus.close()
+
+
+@pytest.mark.anyio
+async def test_readyz_is_ready_only_once_a_controller_can_take_over(tmp_path):
+    """The chart's readiness probe: a controller that has not joined the leadership group yet, or is
+    stopping, is not Ready (503), so a rolling update does not stop the next pod on its account."""
+    import socket
+    import types
+
+    import aiohttp
+
+    from service.rollout.leader import Status, serve_health
+
+    config = make_config()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = config.model_copy(update={"control": config.control.model_copy(update={"metrics_port": port}),
+                                       "server": config.server.model_copy(update={"host": "127.0.0.1"})})
+    status = Status()
+    runner = await serve_health(config, status)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def ready() -> tuple[int, str]:
+                async with session.get(f"http://127.0.0.1:{port}/readyz") as r:
+                    return r.status, (await r.json())["status"]
+
+            assert await ready() == (503, "starting")
+            status.leadership = types.SimpleNamespace(joined=True)  # type: ignore[assignment]
+            assert await ready() == (200, "standby")
+            status.stopping = True
+            assert await ready() == (503, "stopping")
+    finally:
+        await runner.cleanup()

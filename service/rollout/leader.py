@@ -82,8 +82,10 @@ async def serve_health(config: Config, status: Status) -> web.AppRunner:
         return web.json_response({**status.body(), "status": "ok", "role": status.role})
 
     async def readyz(_request: web.Request) -> web.Response:
-        # 200 on a standby too: a Deployment's rollout waits for Ready pods, and a standby is as it should be
-        return web.json_response(status.body())
+        # 200 on a standby too: a Deployment's rollout waits for Ready pods, and a standby is as it should
+        # be; 503 while starting (not yet able to take over) or stopping
+        body = status.body()
+        return web.json_response(body, status=503 if body["status"] in ("starting", "stopping") else 200)
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)
