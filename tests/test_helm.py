@@ -314,6 +314,10 @@ def test_controller_replicas_and_budget_follow_the_values(chart):
     assert pdb["spec"] == {"minAvailable": 2, "selector": pdb["spec"]["selector"]}
     docs = documents(render(chart, {"controller": {"replicas": 1, "podDisruptionBudget": {"enabled": False}}}))
     assert [d["metadata"]["name"] for d in by_kind(docs, "PodDisruptionBudget")] == ["mc-modelcanary-proxy"]
+    # 0 is a value (no voluntary eviction at all), not "unset"
+    docs = documents(render(chart, {component: {"podDisruptionBudget": {"maxUnavailable": 0}}
+                                    for component in ("proxy", "controller")}))
+    assert [d["spec"]["maxUnavailable"] for d in by_kind(docs, "PodDisruptionBudget")] == [0, 0]
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
