@@ -395,6 +395,25 @@ def test_kafka_sasl_and_tls_come_from_secrets(rendered, monkeypatch):
     }
 
 
+def test_the_charts_kafka_keys_win_over_the_users_in_either_form(chart, tmp_path):
+    """The user's `<key>_env` (or `<key>`) for a setting the chart owns is replaced by the chart's, never
+    left beside it (check-config refuses both forms at once, so every pod would exit)."""
+    import copy
+
+    values = copy.deepcopy(KAFKA_SASL)
+    values["config"] = {**values.get("config", {}), "events": {"kafka": {"security": {
+        "ssl_cafile_env": "MY_CA", "sasl_plain_username": "bob", "ssl_ciphers": "HIGH"}}}}
+    docs = documents(render(chart, values))
+    security = rendered_config(docs)["events"]["kafka"]["security"]
+    assert security["ssl_cafile"] == "/etc/modelcanary/kafka-tls/ca.crt" and "ssl_cafile_env" not in security
+    assert security["sasl_plain_username_env"] == "MODELCANARY_KAFKA_SASL_USERNAME"
+    assert "sasl_plain_username" not in security
+    assert security["ssl_ciphers"] == "HIGH"  # what the chart does not own stays the user's
+    path = tmp_path / "modelcanary.yaml"
+    path.write_text(config_text(docs))
+    check_config(path, {"MODELCANARY_KAFKA_SASL_USERNAME": "u", "MODELCANARY_KAFKA_SASL_PASSWORD": "p"})
+
+
 def test_everything_enabled(rendered):
     docs = documents(rendered["everything"])
     proxy = one(docs, "Deployment", "proxy")
@@ -491,6 +510,10 @@ def test_schema_rejects_bad_values(chart, values, expected):
     ({"kafka": {"tls": {"enabled": True}}}, "kafka.tls.existingSecret is required"),
     ({"proxy": {"terminationGracePeriodSeconds": 20}}, "must be larger than config.server.drain_seconds"),
     ({"proxy": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 3}}}, "larger than maxReplicas"),
+    ({"config": {"events": {"kafka": {"security": {"sasl_plain_password": "hunter2"}}}}},
+     "config.events.kafka.security.sasl_plain_password would put a secret in the ConfigMap"),
+    ({"config": {"events": {"kafka": {"security": {"ssl_password": "hunter2"}}}}},
+     "config.events.kafka.security.ssl_password would put a secret in the ConfigMap"),
 ])
 def test_render_refuses_unsafe_values(chart, values, expected):
     with pytest.raises(helm_python.HelmError) as err:

@@ -116,23 +116,34 @@ never secret values.
 {{- $_ := set $events "backend" "kafka" -}}
 {{- $kafka := default dict $events.kafka -}}
 {{- $_ := set $kafka "bootstrap_servers" .Values.kafka.bootstrapServers -}}
+{{- range $key := list "sasl_plain_password" "ssl_password" -}}
+{{- if hasKey (default dict $kafka.security) $key -}}
+{{- fail (printf "config.events.kafka.security.%s would put a secret in the ConfigMap: set %s_env to a variable from a Secret (kafka.sasl.existingSecret does this for SASL)" $key $key) -}}
+{{- end -}}
+{{- end -}}
 {{- if or .Values.kafka.securityProtocol .Values.kafka.sasl.enabled .Values.kafka.tls.enabled -}}
 {{- $security := default dict $kafka.security -}}
-{{- $_ := set $security "security_protocol" (include "modelcanary.kafkaSecurityProtocol" .) -}}
+{{- $owned := dict "security_protocol" (include "modelcanary.kafkaSecurityProtocol" .) -}}
 {{- if .Values.kafka.sasl.enabled -}}
-{{- $_ := set $security "sasl_mechanism" .Values.kafka.sasl.mechanism -}}
-{{- $_ := set $security "sasl_plain_username_env" "MODELCANARY_KAFKA_SASL_USERNAME" -}}
-{{- $_ := set $security "sasl_plain_password_env" "MODELCANARY_KAFKA_SASL_PASSWORD" -}}
+{{- $_ := set $owned "sasl_mechanism" .Values.kafka.sasl.mechanism -}}
+{{- $_ := set $owned "sasl_plain_username_env" "MODELCANARY_KAFKA_SASL_USERNAME" -}}
+{{- $_ := set $owned "sasl_plain_password_env" "MODELCANARY_KAFKA_SASL_PASSWORD" -}}
 {{- end -}}
 {{- if .Values.kafka.tls.enabled -}}
-{{- $_ := set $security "ssl_cafile" (printf "/etc/modelcanary/kafka-tls/%s" .Values.kafka.tls.caKey) -}}
+{{- $_ := set $owned "ssl_cafile" (printf "/etc/modelcanary/kafka-tls/%s" .Values.kafka.tls.caKey) -}}
 {{- if .Values.kafka.tls.certKey -}}
-{{- $_ := set $security "ssl_certfile" (printf "/etc/modelcanary/kafka-tls/%s" .Values.kafka.tls.certKey) -}}
+{{- $_ := set $owned "ssl_certfile" (printf "/etc/modelcanary/kafka-tls/%s" .Values.kafka.tls.certKey) -}}
 {{- end -}}
 {{- if .Values.kafka.tls.keyKey -}}
-{{- $_ := set $security "ssl_keyfile" (printf "/etc/modelcanary/kafka-tls/%s" .Values.kafka.tls.keyKey) -}}
+{{- $_ := set $owned "ssl_keyfile" (printf "/etc/modelcanary/kafka-tls/%s" .Values.kafka.tls.keyKey) -}}
 {{- end -}}
-{{- $_ := set $security "ssl_check_hostname" .Values.kafka.tls.checkHostname -}}
+{{- $_ := set $owned "ssl_check_hostname" .Values.kafka.tls.checkHostname -}}
+{{- end -}}
+{{- /* the chart's key wins over the user's, in either form (`<key>` or `<key>_env`) */ -}}
+{{- range $key, $value := $owned -}}
+{{- $_ := unset $security (trimSuffix "_env" $key) -}}
+{{- $_ := unset $security (printf "%s_env" (trimSuffix "_env" $key)) -}}
+{{- $_ := set $security $key $value -}}
 {{- end -}}
 {{- $_ := set $kafka "security" $security -}}
 {{- end -}}
