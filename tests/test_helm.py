@@ -433,6 +433,8 @@ def test_everything_enabled(rendered):
         assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
         (endpoint,) = monitor["spec"]["endpoints"]
         assert endpoint["path"] == "/metrics"
+        # the controller's leader gauge keeps its own `instance` label (host:pid), as the docs query it
+        assert endpoint.get("honorLabels", False) == (component == "controller")
         assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
 
     dashboards = by_kind(docs, "ConfigMap")
