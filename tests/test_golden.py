@@ -112,13 +112,17 @@ def test_capture_from_memory_proxy_redacts_and_keeps_no_credential(servers, tmp_
     for rid, success in zip(rated, (True, False)):
         req = urllib.request.Request(proxy.url + "/v1/feedback", method="POST", headers={
             "Authorization": f"Bearer {secrets['client key']}", "Content-Type": "application/json"},
-            data=json.dumps({"request_id": rid, "success": success, "reason": "test"}).encode())
+            data=json.dumps({"request_id": rid, "success": success,  # the client's words hold PII too
+                             "reason": f"refund to {pii['email']}, {pii['account']}; {secrets['pasted key']}"}).encode())
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status in (200, 202)
     wait_for(lambda: sum(1 for x in admin_lines(proxy.url, secrets["admin token"])
                          if x["schema"] == "modelcanary.outcome/v1") >= 2, what="feedback in the proxy's memory")
     assert sum(1 for x in admin_lines(proxy.url, secrets["admin token"])
                if x["schema"] == "modelcanary.traffic/v1") == 27
+    reasons = [x["reason"] for x in admin_lines(proxy.url, secrets["admin token"]) if x.get("kind") == "feedback"]
+    assert len(reasons) == 2 and all("[REDACTED]" in r and pii["email"] not in r and pii["account"] not in r
+                                     for r in reasons), reasons
 
     monkeypatch.delenv("MODELCANARY_ADMIN_TOKEN", raising=False)
     code, _, err = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out",

@@ -120,6 +120,8 @@ def _case(ev: TrafficEvent, patterns: list[re.Pattern], feedback: Feedback | Non
                          body=clean(primary.body) if primary.body is not None else None,
                          latency_s=primary.latency_s, ttft_s=primary.ttft_s, usage=primary.usage,
                          outcome=primary.outcome, cause=primary.cause)
+    if feedback is not None and feedback.reason:  # the client's own words: as open as its request
+        feedback = Feedback(success=feedback.success, reason=str(redact(feedback.reason, patterns)))
     return Case(request_id=ev.request_id, ts=ev.ts, route=ev.route, segment=ev.segment,
                 fingerprint=fingerprint(ev.route, request), config_version=ev.config_version, request=request,
                 headers=ev.headers, live=live, feedback=feedback)

@@ -211,8 +211,11 @@ class Recorder:
         return self._served.served(request_id, session_hash(session_id))
 
     def feedback(self, key: str, served: Served, success: bool, reason: str | None) -> None:
-        """Feedback on a request this proxy served: published resolved."""
+        """Feedback on a request this proxy served: published resolved, its reason redacted with the
+        route's `shadow.redact` (the client's own words may hold what its request did)."""
         # `served` holds the labels `finish` remembered: its role is a Call's Role
+        if reason and self._redact.get(served.route):
+            reason = str(scrub(reason, self._redact[served.route]))
         metrics.feedback_total.labels(served.route, served.model, served.role, "success" if success else "failure").inc()
         self.bus.publish("outcomes", OutcomeEvent.model_construct(
             request_id=key.removeprefix(SESSION), ts=time.time(), route=served.route, model=served.model,
