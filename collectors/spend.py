@@ -1,7 +1,8 @@
 """`shadow.max_usd_per_hour`: what one shadow worker may spend per route and hour.
 
 Every call a shadow evaluation makes (candidate, noise floor, LLM judge, stability) goes through
-the worker's ShadowClient, which asks `allows` before the call and `add`s its cost after. The hour
+the worker's ShadowClient, which asks `check` before the call and `add`s its cost after; an
+embeddings model's calls (similarity.configured.MeteredEmbedder) do the same. The hour
 slides by the minute: the spend is that of the last 60 one-minute buckets. Calls already in flight
 when the cap is reached still finish, so a worker can go over it by at most `collect.concurrency`
 evaluations' calls. Each worker process enforces the cap on its own calls (see README, Config).

@@ -284,7 +284,7 @@ class ShadowWorker:
         self.bus = bus
         self.group = group
         self.client = ShadowClient(config, providers, tracing)
-        self.embedders = RouteEmbedders(config, providers)
+        self.embedders = RouteEmbedders(config, providers, self.client.spend)
         self.evaluators = evaluators if evaluators is not None else default_evaluators()
         self.concurrency = config.collect.concurrency
         self.batch_size = max(self.concurrency, MIN_BATCH)  # records taken per read (fewer round trips)
@@ -481,7 +481,7 @@ class ShadowWorker:
                               event.headers)
         ctx = EvalContext(config=config, route=route, route_cfg=rc, event=event, request=request, view=fmt.view(request),
                           live=live, candidate=candidate, stable_again=stable_again,
-                          caller=caller, embedder=self.embedders.for_route(rc))
+                          caller=caller, embedder=self.embedders.for_route(route, rc))
         measured = await measure(ctx)
         chosen = [e for e in self.evaluators if e.selected(ctx)]
         evaluations = [await self._run_one(e, ctx) for e in chosen]  # the slow ones (judge, stability) are rare

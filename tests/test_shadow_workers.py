@@ -551,6 +551,45 @@ def test_every_shadow_call_spends_the_hourly_cap(sim, caplog):
     assert "exception was never retrieved" not in caplog.text, caplog.text[-2000:]
 
 
+def test_embeddings_calls_spend_the_hourly_cap(sim):
+    """`similarity.backend: model` calls an embeddings model for every record: those calls are shadow
+    calls too, priced from `models:`. A cap that would hold every candidate and noise-floor call is
+    spent early by them, and the rest are budget drops."""
+    from collectors.worker import ShadowWorker
+
+    n = 6
+    per_token = {"input_per_mtok": 1e6, "output_per_mtok": 0.0}  # $1 per input token
+
+    def config(cap: float | None) -> Config:
+        cfg = make_config(sim.url, "same-model", similarity={"backend": "model", "model": "embed-m"},
+                          max_usd_per_hour=cap).model_dump(exclude_unset=True)
+        for key in ("stable-m", "candidate-m", "embed-m"):
+            cfg["models"][key]["price"] = per_token
+        return parse_config(cfg)
+
+    async def go():
+        events = await live_traffic(config(None), bodies(n, kinds=("chat",), tag="embed-spend"), "embed-spend")
+        assert len(events) == n
+        base = sum(2.0 * e.primary.usage["prompt_tokens"] for e in events)  # candidate + noise floor, all n
+        cfg = config(base + 0.5)
+        providers = make_providers(cfg)
+        worker = ShadowWorker(cfg, MemoryBus(), providers)
+        try:
+            records = [await worker.handle(e) for e in events]
+        finally:
+            await worker.embedders.aclose()
+            for p in providers.values():
+                await p.close()
+        return records, worker.client.spend.spent(ROUTE)
+
+    records, spent = asyncio.run(go())
+    done = [r for r in records if r is not None]
+    assert 1 <= len(done) < n, len(done)
+    assert done[0].similarity.candidate_vs_stable is not None  # the first record's embeddings were made
+    calls = sum(r.candidate.cost_usd + r.stable_again.cost_usd for r in done)
+    assert spent > calls  # and counted
+
+
 def test_the_spend_cap_slides_over_the_last_hour():
     from collectors.spend import OverBudget, SpendCap
 

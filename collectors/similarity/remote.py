@@ -67,21 +67,29 @@ class EndpointEmbedder:
         return self._session
 
     async def embed(self, texts: list[str]) -> np.ndarray:
+        return (await self.embed_counted(texts))[0]
+
+    async def embed_counted(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """`embed`, and the input tokens the calls cost: as the server's `usage` says, else estimated
+        at 4 characters a token."""
         todo = [i for i, t in enumerate(texts) if t]
         rows: list[np.ndarray] = []
+        tokens = 0
         for start in range(0, len(todo), self.max_batch):
             chunk = [texts[i] for i in todo[start:start + self.max_batch]]
-            rows.append(await self._request(chunk))
+            matrix, told = await self._request(chunk)
+            rows.append(matrix)
+            tokens += told if told is not None else -(-sum(len(t) for t in chunk) // 4)
         if not todo:
-            return np.zeros((len(texts), 0), dtype=np.float32)
+            return np.zeros((len(texts), 0), dtype=np.float32), 0
         vectors = normalize_rows(np.concatenate(rows))
         if len(todo) == len(texts):
-            return vectors
+            return vectors, tokens
         out = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
         out[todo] = vectors
-        return out
+        return out, tokens
 
-    async def _request(self, inputs: list[str]) -> np.ndarray:
+    async def _request(self, inputs: list[str]) -> tuple[np.ndarray, int | None]:
         where = f"embeddings model {self.model!r} at {self.url}"
         body = {"model": self.model, "input": inputs, "encoding_format": "float"}
         try:
@@ -96,7 +104,9 @@ class EndpointEmbedder:
                     raise EmbeddingError(f"{where} answered with invalid JSON: {e}") from e
         except (TimeoutError, aiohttp.ClientError) as e:
             raise EmbeddingError(f"{where} could not be reached: {type(e).__name__}: {e}") from e
-        return self._parse(answer, len(inputs), where)
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        told = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return self._parse(answer, len(inputs), where), told if isinstance(told, int) and told >= 0 else None
 
     def _parse(self, answer: object, n: int, where: str) -> np.ndarray:
         data = answer.get("data") if isinstance(answer, dict) else None
