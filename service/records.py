@@ -115,10 +115,13 @@ JUDGE_SCORES: dict[str, float] = {"win": 1.0, "tie": 0.0, "loss": -1.0}
 
 class PairwiseJudgement(Record):
     """The pairwise judge's verdict for the candidate against the live answer (`result`), and for the
-    stable-again answer against it (`noise`, the judge's own noise floor); null when not judged."""
+    stable-again answer against it (`noise`, the judge's own noise floor); null when not judged.
+    `noise_failed`: the judge was asked about the stable-again answer and gave no verdict (an error;
+    a candidate's error shows as its judge evaluation without a `result`)."""
 
     result: JudgeResult | None = None
     noise: JudgeResult | None = None
+    noise_failed: bool = False
 
 
 class Stability(Record):

@@ -174,6 +174,19 @@ def test_malformed_judge_answer_is_an_error_never_a_win(content, problem):
     assert result.passed is None and result.score is None
     assert "malformed judge answer" in result.detail and problem in result.detail
     assert ctx.extra["judge"].record() == PairwiseJudgement(result=None, noise=None)
+    # with a stable-again answer, its judging failed too: counted as the noise floor's error in the report
+    ctx = context(text("x"), live=text("y"), again=text("z"), caller=judge)
+    run(JudgeEvaluator().evaluate(ctx))
+    record = ctx.extra["judge"].record()
+    assert record == PairwiseJudgement(result=None, noise=None, noise_failed=True)
+    from service.judge.quality import Quality
+    from service.records import EvaluationResult
+    from tests.judge_traffic import evaluation
+    quality = Quality()
+    quality.add(evaluation("chat", True).model_copy(update={"judge": record, "evaluations": [
+        EvaluationResult(name="judge", version="2", passed=None, detail="malformed judge answer")]}))
+    judged = quality.summary()["judge"]
+    assert judged["candidate"]["error"] == 1 and judged["noise_floor"]["error"] == 1
 
 
 def right_wins(a: str, b: str) -> str:

@@ -142,7 +142,8 @@ class Verdicts:
     def record(self) -> PairwiseJudgement:
         def known(v: str | None) -> JudgeResult | None:
             return v if v in SCORES else None  # type: ignore[return-value]
-        return PairwiseJudgement(result=known(self.candidate), noise=known(self.noise_floor))
+        return PairwiseJudgement(result=known(self.candidate), noise=known(self.noise_floor),
+                                 noise_failed=self.noise_floor is not None and self.noise_floor not in SCORES)
 
 
 class JudgeEvaluator:

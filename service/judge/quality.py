@@ -108,6 +108,8 @@ class Quality:
             self.judge_candidate.add("error")
         if verdict.noise is not None:
             self.judge_noise.add(verdict.noise)
+        elif verdict.noise_failed:
+            self.judge_noise.add("error")
         if verdict.result is not None and verdict.noise is not None:
             self.judge_gap.add(JUDGE_SCORES[verdict.result] - JUDGE_SCORES[verdict.noise])
 
