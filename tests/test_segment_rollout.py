@@ -127,6 +127,13 @@ async def test_each_segment_gets_its_own_outcome_and_candidate():
     assert rows["cheap-m", "chat"]["status"] == "promoted" and rows["cheap-m", "tools"]["status"] == "ruled out"
     assert rows["cheap-m", "tools"]["cells"]["completion_rate"]["verdict"] == "worse"
     assert set(state.report["candidates"]) == {"cheap-m", "worse-m"}
+    # the report's verdict is the one applied (the segments' sum), never a route-level one over all of
+    # them (which would read "rollback" here, for tools)
+    applied = state.recommendation or state.last_decision
+    assert applied is not None
+    assert state.report["judge"]["decision"] == applied.decision != "rollback", applied
+    assert state.report["judge"]["reasons"] == list(applied.reasons)
+    assert all(c["judge"]["decision"] is None for c in state.report["candidates"].values())
     body = analysis_of(state)
     assert body["phase"] == "partial" and body["healthy"] is True and body["promote_ready"] is False
     assert body["segments"]["chat"]["phase"] == "promoted" and body["segments"]["tools"]["healthy"] is False

@@ -284,10 +284,17 @@ class Controller:
     def _segment_report(self, route: str, state: RolloutState, judgements: dict[str, Judgement],
                         evs: dict[str, RouteEvidence], now: float) -> dict:
         """The report of the first candidate, as in scope route, with every candidate's own and the
-        capability × cost matrix (candidates × segments)."""
+        capability × cost matrix (candidates × segments). Its decision is the one the segments' verdicts
+        add up to (the route's recommendation): a route-level decision over every segment's
+        comparisons is none that is applied, so the candidates' reports carry none. A route whose
+        segments have all ended reports its last decision."""
         report = self._report(route, state, judgements[state.candidate], evs[state.candidate], now)  # type: ignore[index]
         report["scope"] = "segment"
-        report["candidates"] = {c: {"judge": j.report(), "live": evs[c].live_summary()} for c, j in judgements.items()}
+        applied = state.recommendation or state.last_decision
+        report["judge"].update(decision=applied.decision if applied else None,
+                               reasons=list(applied.reasons) if applied else [])
+        report["candidates"] = {c: {"judge": {**j.report(), "decision": None, "reasons": []},
+                                    "live": evs[c].live_summary()} for c, j in judgements.items()}
         report["matrix"] = capability_matrix(state, {c: j.comparisons for c, j in judgements.items()})
         return finite(report)
 
