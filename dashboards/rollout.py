@@ -117,8 +117,9 @@ def build() -> Dashboard:
         "Canary weight",
         [(f"max by (route) ({sel('modelcanary_rollout_canary_weight_ratio', ROUTE)})", "{{route}}")],
         unit="percentunit", max_val=1, width=8,
-        description="Share of live traffic routed to the candidate. Annotations mark the judge's step, "
-                    "promote and rollback decisions.",
+        description="Share of live traffic routed to the candidate (with rollout.scope segment, the largest "
+                    "segment's weight: see the routing table's segment canary weight). Annotations mark the judge's step, promote and "
+                    "rollback decisions.",
     ))
     d = d.with_panel(state_timeline(
         "Phase",

@@ -95,7 +95,9 @@ shadow_evaluations_total = Counter(
     ["route", "model", "evaluator", "result"],
 )
 rollout_canary_weight = Gauge(
-    "modelcanary_rollout_canary_weight_ratio", "Share of live traffic sent to the candidate.",
+    "modelcanary_rollout_canary_weight_ratio",
+    "Share of live traffic sent to the candidate (rollout.scope segment: the largest segment's weight; "
+    "each segment's is modelcanary_rollout_segment_weight_ratio).",
     ["route"], multiprocess_mode="mostrecent",
 )
 rollout_phase = Gauge(
