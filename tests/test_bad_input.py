@@ -25,6 +25,9 @@ def stack(tmp_path_factory):
     sim = start_simulator(tmp, sim_config())
     fault = FaultProxy("127.0.0.1", sim.port, capture_bytes=64 * 1024 * 1024).start()
     cfg = proxy_config(fault.url)
+    cfg["providers"]["claude"] = {"base_url": fault.url + "/v1", "api": "anthropic"}  # the simulator speaks Messages
+    cfg["models"]["claude-m"] = {"provider": "claude", "name": "good-model"}
+    cfg["routes"]["claude-r"] = {"stable": "claude-m"}
     proxy = start_proxy(tmp, cfg)
     try:
         yield proxy, fault
@@ -93,6 +96,54 @@ def test_refused_with_openai_shaped_4xx(stack, raw, status, param, needle):
         assert needle in err["message"], err
     assert len(err["message"]) < 1000  # a huge value is not echoed back whole
     assert elapsed < 2
+
+
+UNSENDABLE = {  # parses as JSON here, but what the upstream would get is not JSON, or not text
+    "lone surrogate": (b'"content": "bad \\ud800 text"', "lone UTF-16 surrogate"),
+    "NaN": (b'"content": "hi", "temperature": NaN', "NaN or Infinity"),
+    "too large": (b'"content": "hi", "temperature": 1e400', "NaN or Infinity"),
+}
+ENDPOINTS = {  # path -> (body around the field, the error's shape)
+    "chat": ("/v1/chat/completions", b'{"model": "support-bot", "messages": [{"role": "user", %s}]}', "openai"),
+    "chat via ASGI": ("/v1/chat/completions?x=1", b'{"model": "support-bot", "messages": [{"role": "user", %s}]}',
+                      "openai"),
+    "responses": ("/v1/responses", b'{"model": "support-bot", "input": [{"role": "user", %s}]}', "openai"),
+    "messages": ("/v1/messages", b'{"model": "claude-r", "max_tokens": 5, "messages": [{"role": "user", %s}]}',
+                 "anthropic"),
+    "pass-through": ("/v1/embeddings", b'{"model": "support-bot", "input": [{%s}]}', "openai"),
+}
+
+
+@pytest.mark.parametrize("what", list(UNSENDABLE))
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_what_json_cannot_carry_upstream_is_a_400_in_the_endpoints_shape(stack, endpoint, what):
+    proxy, _ = stack
+    path, template, shape = ENDPOINTS[endpoint]
+    field, needle = UNSENDABLE[what]
+    status, raw, _ = request(proxy, "POST", path, template % field)
+    assert status == 400, raw[:300]
+    body = json.loads(raw)
+    message = body["error"]["message"]
+    assert needle in message, body
+    if shape == "anthropic":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+
+
+def test_chat_completions_on_a_route_of_another_api_is_refused_naming_it(stack):
+    proxy, _ = stack
+    status, raw, _ = request(proxy, "POST", "/v1/chat/completions", chat({"model": "claude-r", "messages": MSG}))
+    assert status == 400, raw[:300]
+    err = openai_error(raw)
+    assert err["param"] == "model" and "api: anthropic" in err["message"] and "/v1/messages" in err["message"]
+
+
+def test_feedback_with_a_lone_surrogate_is_refused_naming_the_field(stack):
+    """Its reason would reach the events and /admin/traffic, which hold text."""
+    proxy, _ = stack
+    status, raw, _ = request(proxy, "POST", "/v1/feedback",
+                             b'{"request_id": "r1", "success": false, "reason": "bad \\ud800"}')
+    assert status == 400, raw
+    assert openai_error(raw)["param"] == "reason"
 
 
 WRONG_TYPES = [
@@ -180,7 +231,7 @@ def test_messages_list_of_100k_items(stack):
 def test_unknown_routes_methods_and_malformed_http(stack):
     proxy, _ = stack
     for method, path, body, want in (("GET", "/nope", None, 404), ("POST", "/admin/nothing", b"{}", 404),
-                                     ("GET", "/v1/chat/completions", None, 405),
+                                     ("GET", "/v1/chat/completions?model=support-bot", None, 405),
                                      ("DELETE", "/healthz", None, 405),
                                      ("POST", "/v1/feedback", b'{"success": "yes"}', 400),
                                      ("POST", "/v1/feedback", b'{"success": true, "request_id": "x"}', 404),
@@ -227,3 +278,22 @@ def test_proxy_is_healthy_after_all_of_it(stack):
     text = scrape(proxy.url)
     assert metric_value(text, "modelcanary_requests_total", route=ROUTE, outcome="completed") == served + 1
     assert metric_value(text, "modelcanary_failures_total", cause="proxy_error") == 0
+
+
+def test_recent_traffic_keeps_an_answer_that_holds_a_lone_surrogate():
+    """An upstream's answer may escape a lone surrogate (its JSON is valid): the memory capture reads
+    from keeps it, as that escape, and keeps recording what comes after."""
+    from service.admin.traffic import RecentTraffic
+    from service.records import OutcomeEvent, PrimaryResult, TrafficEvent
+
+    recent = RecentTraffic()
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "odd \ud800 text"}}]}
+    for i in range(2):
+        recent.add(TrafficEvent(request_id=f"r{i}", ts=float(i), route=ROUTE, segment="chat",
+                                request={"model": ROUTE, "messages": MSG}, config_version="v",
+                                primary=PrimaryResult(model="m", status=200, body=answer, latency_s=0.1,
+                                                      outcome="completed")))
+    recent.add(OutcomeEvent(request_id="r0", ts=2.0, kind="feedback", success=False, reason="odd \ud800"))
+    lines = recent.lines()
+    assert len(lines) == 3
+    assert json.loads(lines[0])["primary"]["body"] == answer and b"\\ud800" in lines[0]

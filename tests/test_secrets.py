@@ -147,6 +147,14 @@ def test_client_keys_map_keys_to_routes(servers, monkeypatch):
         assert status == 403, raw
         status, _ = http(url + "/feedback", "POST", fb, {"Authorization": f"Bearer {beta}"})
         assert status == 202
+        # `x-api-key` (how Anthropic's clients send a key) is the same key, on every endpoint
+        chat_body = json.dumps({"model": ROUTE, "messages": msg}).encode()
+        for path, body in (("/chat/completions", chat_body), ("/chat/completions?via=asgi", chat_body),
+                           ("/embeddings", json.dumps({"model": ROUTE, "input": "x"}).encode()), ("/feedback", fb)):
+            status, raw = http(url + path, "POST", body, {"Content-Type": "application/json", "x-api-key": beta})
+            assert status in (200, 202), (path, raw[:300])
+            status, raw = http(url + path, "POST", body, {"Content-Type": "application/json", "x-api-key": "ck-no"})
+            assert status == 401, (path, raw[:300])
 
         sent = bytes(fault.captured)
         assert sent.count(b"POST /v1/chat/completions") >= 3

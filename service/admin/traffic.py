@@ -68,4 +68,8 @@ class RecentTraffic:
 
 
 def _line(record: TrafficEvent | OutcomeEvent) -> bytes:
-    return json.dumps(dump(record), separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    data = dump(record)
+    try:
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    except UnicodeEncodeError:  # a lone surrogate (an upstream's answer may hold one): kept as its escape
+        return json.dumps(data, separators=(",", ":")).encode() + b"\n"

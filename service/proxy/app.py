@@ -356,13 +356,13 @@ async def _feedback(runtime: Runtime, request: Request) -> Response:  # noqa: C9
     """Memory mode: resolved here, 404 for an id this process has not served. Kafka mode: any replica
     accepts it (202) and publishes it; the one that served the request resolves it at once, else the
     controller resolves it against the request's outcome (and applies the client key's routes)."""
-    from service.proxy.chat import BadRequest, _bearer
+    from service.proxy.chat import BadRequest, _bearer, client_authorization
 
     keys = runtime.proxy.client_keys
     allowed: set[str] | None = None
     try:
         if keys is not None:  # client keys on: feedback needs one too, for a route it may use
-            allowed = keys.get(_bearer(request.headers.get("authorization")) or "")
+            allowed = keys.get(_bearer(client_authorization(request.headers)) or "")
             if allowed is None:
                 raise BadRequest(401, "missing or unknown client key in the Authorization header",
                                  code="invalid_api_key")
@@ -382,6 +382,12 @@ async def _feedback(runtime: Runtime, request: Request) -> Response:  # noqa: C9
         reason = body.get("reason")
         if reason is not None and not isinstance(reason, str):
             raise BadRequest(400, "field 'reason' must be a string", param="reason")
+        if reason is not None and not reason.isascii():
+            try:
+                reason.encode()
+            except UnicodeEncodeError:
+                raise BadRequest(400, "field 'reason' holds a lone UTF-16 surrogate, which is no character",
+                                 param="reason") from None
         reason = (reason or "")[:500] or None
         match = {"request_id": request_id} if request_id is not None else {"session_id": session_id}
         found = runtime.recorder.served(request_id, session_id)

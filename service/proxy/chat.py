@@ -74,6 +74,9 @@ class Proxy:
         self.budgets = {route: RetryBudget() for route in config.routes}
         self.budgets.update({model: RetryBudget() for model in config.models})
         self.client_keys = _client_keys(config)
+        # the provider API each route and model speaks (a route's models share one)
+        self.api_of = {key: config.providers[m.provider].api for key, m in config.models.items()}
+        self.api_of.update({route: self.api_of[rc.stable] for route, rc in config.routes.items()})
 
     # ---- request parsing -------------------------------------------------------------------
     def body_limit(self) -> int:
@@ -130,11 +133,19 @@ class Proxy:
                              code="model_not_allowed")
         return model_name, (model_name if model_name in self.config.routes else None)
 
+    def refuse_other_api(self, name: str, api: str) -> None:
+        """400 when route or model `name` is served by a provider of another API than `api`."""
+        served = self.api_of[name]
+        if served != api:
+            raise BadRequest(400, f"model '{name}' is served by an api: {served} provider; send it to "
+                             f"{ENDPOINT_OF_API[served]} (the proxy does not translate between formats)",
+                             param="model")
+
     def allowed_names(self, headers: Mapping[str, str]) -> set[str] | None:
         """The routes this client may use (None: no client keys configured). 401 for an unknown key."""
         if self.client_keys is None:
             return None
-        allowed = self.client_keys.get(_bearer(headers.get("authorization")) or "")
+        allowed = self.client_keys.get(_bearer(client_authorization(headers)) or "")
         if allowed is None:
             raise BadRequest(401, "missing or unknown client key in the Authorization header", code="invalid_api_key")
         return allowed
@@ -142,7 +153,7 @@ class Proxy:
     def _client_auth(self, headers: Mapping[str, str]) -> str | None:
         """The client's Authorization, to pass through when the provider has no key of its own; never
         when client keys are on (then it is a key for this proxy, not for the provider)."""
-        return headers.get("authorization") if self.client_keys is None else None
+        return client_authorization(headers) if self.client_keys is None else None
 
     # ---- chat completions ------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -169,6 +180,7 @@ class Proxy:
         try:
             body = self.parse_json(raw)
             name, route = self.resolve(body.get("model"), headers)
+            self.refuse_other_api(name, "openai")
             if "messages" not in body or not isinstance(body["messages"], list):
                 raise BadRequest(400, "field 'messages' is required and must be an array", param="messages")
             stream = body.get("stream", False)
@@ -193,7 +205,10 @@ class Proxy:
         model = self.config.models[model_key]
         provider = self.providers[model.provider]
         call.asked = asked = model_body(body, model)
-        out = json.dumps(asked, separators=(",", ":"), ensure_ascii=False).encode()
+        try:
+            out = upstream_body(asked)
+        except BadRequest as e:
+            return e.response()
         up_headers = self.upstream_headers(call, model, provider, headers)
         judge = partial(classify_chat, asked, checks=self._checks(call))
 
@@ -421,16 +436,16 @@ class Proxy:
                                      param="model")
                 name = next(iter(self.config.routes))
             key, route = self.resolve(name, request.headers)
+            model_key = self.config.routes[route].stable if route else key
+            model = self.config.models[model_key]
+            if body is not None:
+                body["model"] = model.name
+                raw = upstream_body(body)
         except BadRequest as e:
             return e.response()
         except ClientDisconnect:
             return Response(status_code=499)
-        model_key = self.config.routes[route].stable if route else key
-        model = self.config.models[model_key]
         provider = self.providers[model.provider]
-        if body is not None:
-            body["model"] = model.name
-            raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         up_headers = {"Content-Type": request.headers.get("content-type", "application/json")}
         auth = provider.auth_header(self._client_auth(request.headers))
         if auth:
@@ -510,6 +525,32 @@ def upstream_path(request: Request, path: str) -> str:
     line can't hold is escaped."""
     raw: bytes = request.scope.get("raw_path") or b""
     return quote(raw[3:] if raw.startswith(b"/v1/") else "/" + path, safe="/%:@!$&'()*+,;=-._~")
+
+
+ENDPOINT_OF_API = {"openai": "POST /v1/chat/completions or POST /v1/responses", "anthropic": "POST /v1/messages"}
+
+
+def upstream_body(body: dict) -> bytes:
+    """`body` as the upstream gets it: compact UTF-8 JSON. 400 for what parsed but JSON can't carry on:
+    NaN or an infinity (Python's parser takes the literals, and numbers too large for a double), or a
+    lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair: no character)."""
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except UnicodeEncodeError:
+        raise BadRequest(400, "request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without "
+                              "its pair), which is no character") from None
+    except ValueError:
+        raise BadRequest(400, "request body holds NaN or Infinity (or a number too large for a double), "
+                              "which JSON does not allow") from None
+
+
+def client_authorization(headers: Mapping[str, str]) -> str | None:
+    """The client's key as an Authorization value: its `Authorization`, else its `x-api-key` (how
+    Anthropic's clients send it)."""
+    auth = headers.get("authorization")
+    if auth is None and (key := headers.get("x-api-key")):
+        return "Bearer " + key
+    return auth
 
 
 def _bearer(value: str | None) -> str | None:

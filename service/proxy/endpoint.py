@@ -21,7 +21,7 @@ from functools import partial
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from service.proxy.chat import BadRequest, Proxy, header_map
+from service.proxy.chat import BadRequest, Proxy, client_authorization, header_map, upstream_body
 from service.proxy.formats import ApiFormat
 from service.proxy.formats.base import untold_usage
 from service.proxy.native import on_leave_in_scope
@@ -36,7 +36,6 @@ from service.upstream.base import UpstreamReply
 from service.upstream.errors import json_object
 
 FORWARDED_REQUEST_HEADERS = ("anthropic-version", "anthropic-beta")
-ENDPOINT_OF_API = {"openai": "POST /v1/chat/completions or POST /v1/responses", "anthropic": "POST /v1/messages"}
 
 
 class FormatEndpoint:
@@ -53,8 +52,6 @@ class FormatEndpoint:
         if proxy.draining:
             return fmt.error_response(503, "the proxy is shutting down; retry on another replica", code="draining")
         headers = header_map(request.scope["headers"])
-        if "authorization" not in headers and "x-api-key" in headers:  # how Anthropic clients send their key
-            headers["authorization"] = "Bearer " + headers["x-api-key"]
         try:
             raw = await proxy.read_body(request)
             body = proxy.parse_json(raw)
@@ -71,12 +68,8 @@ class FormatEndpoint:
             view = fmt.view(body)
             segment = classify_segment(view, headers.get("x-task-type"),
                                        proxy.config.routes[route].task_types if route is not None else ())
+            proxy.refuse_other_api(name, fmt.provider_api)
             model_key, role = await self._pick(name, route, body, session_key, stateful, segment)
-            api = proxy.config.providers[proxy.config.models[model_key].provider].api
-            if api != fmt.provider_api:
-                raise BadRequest(400, f"model '{name}' is served by an api: {api} provider; send it to "
-                                 f"{ENDPOINT_OF_API[api]} (the proxy does not translate between formats)",
-                                 param="model")
         except BadRequest as e:
             return e.response(fmt.error_response)
         except ClientDisconnect:
@@ -89,11 +82,14 @@ class FormatEndpoint:
                     traceparent=headers.get("traceparent"), stateful=stateful is not None, view=view,
                     headers={k: headers[k] for k in FORWARDED_REQUEST_HEADERS if k in headers} or None)
         call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"),
-                                                   f"{headers.get('authorization', '')}|{session_key or ''}", raw)
+                                                   f"{client_authorization(headers) or ''}|{session_key or ''}", raw)
         model = proxy.config.models[model_key]
         provider = proxy.providers[model.provider]
         asked = fmt.model_body(body, model)
-        out = json.dumps(asked, separators=(",", ":"), ensure_ascii=False).encode()
+        try:
+            out = upstream_body(asked)
+        except BadRequest as e:
+            return e.response(fmt.error_response)
         if model.params or model.system_prompt is not None:
             view = fmt.view(asked)  # the answer is judged against what the model was asked
         call.asked = view  # a stream left before its first event bills this input
