@@ -13,7 +13,7 @@ import pytest
 
 from service.judge.catalog import alpha_per_comparison, build_catalog, comparisons_budget, sample_unit
 from service.judge.decide import WITHIN, WORSE, analysis, decide, evaluate, judge
-from service.judge.evidence import RouteEvidence, step_began
+from service.judge.evidence import LIVE_CANDIDATE, RouteEvidence, step_began
 from service.records import LastDecision, SegmentState
 from service.rollout.book import RolloutBook
 from tests.judge_traffic import BAD_TOOLS, GOOD, evaluation, make_config, outcome, traffic
@@ -244,6 +244,23 @@ def test_task_success_from_feedback_is_judged():
     assert ts and ts[0].verdict == WORSE and ts[0].n == 600
     assert j.decision.decision == "rollback"
     assert any(r.startswith("segment chat: task success") for r in j.decision.reasons)
+
+
+def test_a_requests_feedback_counts_once_and_a_sessions_each_time():
+    """A client that posts its feedback again (a retry, a repeat) does not outweigh other requests';
+    feedback by session (its id is the session's hash) counts each time, told apart by its time."""
+    cfg = make_config()
+    state, rc, ev = _setup(cfg, step=1)
+    fb = outcome("canary", "chat", True)
+    fb.kind, fb.outcome, fb.success = "feedback", None, False
+    assert ev.add_outcome(fb)
+    for i in range(5):  # the same request's feedback again, later
+        assert not ev.add_outcome(fb.model_copy(update={"ts": fb.ts + i + 1}))
+    session = fb.model_copy(update={"request_id": "a" * 16, "session_id_hash": "a" * 16})
+    for i in range(3):
+        assert ev.add_outcome(session.model_copy(update={"ts": fb.ts + i}))
+    assert not ev.add_outcome(session.model_copy(update={"ts": fb.ts}))  # delivered twice
+    assert ev.totals(LIVE_CANDIDATE, "chat").fb_n == 4
 
 
 # ---- promotion as an intersection-union test, forecasts, one metric with all its evidence ---------------

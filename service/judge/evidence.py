@@ -536,8 +536,11 @@ class RouteEvidence:
         segs = self._segments_of(ev.segment)
         sid = ev.session_id_hash
         if ev.kind == "feedback":
-            # feedback by session shares its id with the session's other feedback: its time tells them apart
-            if ev.success is None or not self._first(("feedback", ev.request_id, ev.ts)):
+            # A request's feedback counts once, the first (a client's retry or a repeat must not outweigh
+            # other requests'). Feedback by session is keyed by the session (its id is the session's
+            # hash), and each one counts: its time tells them apart.
+            by_session = ev.request_id == sid
+            if ev.success is None or not self._first(("feedback", ev.request_id) + ((ev.ts,) if by_session else ())):
                 return False
             for seg in segs:
                 w.live_acc(arm, seg).add_feedback(self._session(w, arm[1], seg, sid), bool(ev.success))
