@@ -101,10 +101,12 @@ class Tracing:
         stream: bool,
         tracestate: str | None = None,
         link_traceparent: str | None = None,
+        operation: str = OPERATION,
     ) -> CallSpan | None:
         """Start the span of one upstream call. `traceparent` and `tracestate` are the client's W3C
         headers (the span's parent, whose tracestate the span and the upstream request carry on); a
-        shadow call passes the live call's traceparent as `link_traceparent`."""
+        shadow call passes the live call's traceparent as `link_traceparent`. `operation`: GenAI's
+        operation name (`chat`; a passed-through call's, e.g. `embeddings`)."""
         if self._tracer is None:
             return None
         links = ()
@@ -113,7 +115,7 @@ class Tracing:
             links = (Link(trace.get_current_span(link_ctx).get_span_context(),
                           {"modelcanary.link.type": "live_call"}),)
         attributes: dict[str, Any] = {
-            "gen_ai.operation.name": OPERATION,
+            "gen_ai.operation.name": operation,
             "gen_ai.provider.name": provider,
             "gen_ai.request.model": request_model,
             "modelcanary.route": route,
@@ -121,7 +123,7 @@ class Tracing:
             "modelcanary.stream": stream,
         }
         span = self._tracer.start_span(
-            f"{OPERATION} {request_model}",
+            f"{operation} {request_model}",
             context=_context_from(traceparent, tracestate),
             kind=SpanKind.CLIENT,
             attributes=attributes,

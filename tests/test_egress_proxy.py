@@ -101,10 +101,12 @@ def test_an_http_provider_goes_through_the_proxy_in_absolute_form(sim, tmp_path)
         egress.stop()
 
 
-def test_no_proxy_hosts_go_direct(sim, tmp_path):
+@pytest.mark.parametrize("no_proxy", ["localhost,127.0.0.1", "10.0.0.0/8, 127.0.0.0/8"], ids=["names", "ranges"])
+def test_no_proxy_hosts_go_direct(sim, tmp_path, no_proxy):
+    """Names as urllib reads them, and IP ranges (CIDR) as curl does: Kubernetes' usual NO_PROXY."""
     nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proxy = start_proxy(tmp_path, _config(sim.url), env=_env(https_proxy=nowhere, http_proxy=nowhere,
-                                                             no_proxy="localhost,127.0.0.1"))
+                                                             no_proxy=no_proxy))
     try:
         _ask(proxy)
     finally:

@@ -73,13 +73,15 @@ async def get(origin: Origin, body: bytes = b"{}", timeout_s: float = 5.0, strea
                                 timeout_s, stream)
 
 
-async def fails_as(handler: Handler, detail: str) -> None:
-    """A call answered by `handler` fails, not for lack of time, with `detail` in its reason."""
+async def fails_as(handler: Handler, detail: str, answered: bool) -> None:
+    """A call answered by `handler` fails, not for lack of time, with `detail` in its reason; `answered`:
+    whether some of the answer had come (the server took the request: never to be sent again)."""
     async with Server(handler) as server:
         with pytest.raises(HTTPFailure) as failure:
             conn = await get(Origin(server.url, 5))
             await conn.read()
     assert not failure.value.timeout and detail in failure.value.detail, failure.value.detail
+    assert failure.value.answered == answered, detail
 
 
 def test_calls_reuse_one_connection_and_send_a_well_formed_request():
@@ -257,8 +259,15 @@ def test_broken_answers_are_connection_errors():
         async def hang_up(reader, writer):
             await read_request(reader)
 
-        for handler, where in ((cut_short, "mid-body"), (garbage, "malformed"), (hang_up, "before answering")):
-            await fails_as(handler, where)
+        async def huge_head(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (1 << 20))
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        for handler, where, answered in ((cut_short, "mid-body", True), (garbage, "malformed", True),
+                                         (hang_up, "before answering", False), (huge_head, "over 64 KiB", True)):
+            await fails_as(handler, where, answered)
 
         closed = Origin("http://127.0.0.1:1/v1", 5)
         with pytest.raises(HTTPFailure) as failure:
@@ -401,7 +410,7 @@ def test_a_reset_or_a_gzip_stream_cut_short_is_not_a_whole_body():
 
         for handler, where in ((reset_mid_body, "mid-body"), (gzip_with_length_cut, "does not decode"),
                                (gzip_until_close_cut, "does not decode")):
-            await fails_as(handler, where)
+            await fails_as(handler, where, answered=True)
 
         box: list[Server] = []
         empty = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 0\r\n\r\n"
@@ -412,4 +421,24 @@ def test_a_reset_or_a_gzip_stream_cut_short_is_not_a_whole_body():
             assert await conn.read() == b""
             conn.release()
             assert len(origin._idle) == 1
+    run(go())
+
+
+def test_interim_answers_are_read_past_to_the_final_one():
+    """100 Continue and 103 Early Hints come before the answer: the caller gets the final status."""
+    async def go():
+        async def interim(reader, writer):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(ok(b'{"ok":true}'))
+            await writer.drain()
+            await asyncio.sleep(1)
+
+        async with Server(interim) as server:
+            conn = await get(Origin(server.url, 5))
+            assert conn.status == 200 and "link" not in conn.headers
+            assert await conn.read() == b'{"ok":true}'
+            conn.release()
     run(go())

@@ -336,3 +336,21 @@ def test_a_chunk_with_a_null_error_is_no_error():
                         + b"data: [DONE]\n\n")
     assert result.problem is None and result.ended and result.response is not None
     assert result.response["choices"][0]["message"]["content"] == "ok"
+
+
+def test_a_stream_cut_inside_an_event_sends_no_half_event_and_says_why(servers):
+    """The upstream ends its body inside an event: the client gets the whole events before it, then
+    the error event, each one readable on its own (never the cut event glued to the error)."""
+    whole = sse({"id": "c1", "object": "chat.completion.chunk", "model": "m",
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]})
+    cut = b'data: {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "lo'
+    with events_then_silence(whole + cut, 0.0) as url:
+        proxy, model, route = start_proxy(servers, url, "chat")
+        path, body, _ = CASES["chat"]
+        got = asyncio.run(stream_through(proxy.url + path, {"model": route, **body}))
+        text = wait_failed(proxy.url, model)
+    events = [e for e in got.split(b"\n\n") if e.strip()]
+    assert events[0] + b"\n\n" == whole
+    assert len(events) == 2 and events[1].startswith(b"data: "), got
+    assert json.loads(events[1][6:])["error"]["code"] == "bad_response"
+    assert metric_value(text, "modelcanary_failures_total", model=model, cause="bad_response") == 1

@@ -495,8 +495,33 @@ def test_untraced_proxy_passes_the_trace_context_on_unchanged(tmp_path):
                 "traceparent": CLIENT_TRACEPARENT, "tracestate": CLIENT_TRACESTATE})
             client.chat.completions.create(model="support-bot", messages=messages,
                                            extra_headers={"tracestate": CLIENT_TRACESTATE})
+            client.embeddings.with_raw_response.create(model="support-bot", input="hello", extra_headers={
+                "traceparent": CLIENT_TRACEPARENT, "tracestate": CLIENT_TRACESTATE})  # passed through
         finally:
             proxy.stop()
-    traced, untraced = seen
+    traced, untraced, passed = seen
     assert (traced["traceparent"], traced["tracestate"]) == (CLIENT_TRACEPARENT, CLIENT_TRACESTATE)
     assert "traceparent" not in untraced and "tracestate" not in untraced
+    assert passed[":path"] == "/v1/embeddings"
+    assert (passed["traceparent"], passed["tracestate"]) == (CLIENT_TRACEPARENT, CLIENT_TRACESTATE)
+
+
+def test_a_passed_through_call_is_a_span_of_its_operation(sim, receiver, tmp_path):
+    """Embeddings (and every other endpoint the proxy passes through) are upstream calls too: a span,
+    the client's child, named by its GenAI operation."""
+    import openai
+
+    from tests.fixtures.servers import proxy_config, start_proxy
+
+    cfg = proxy_config(sim.url)
+    cfg["tracing"] = {"otlp_endpoint": receiver.url}
+    proxy = start_proxy(tmp_path, cfg)
+    try:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+        client.embeddings.create(model="support-bot", input="hello", extra_headers={"traceparent": CLIENT_TRACEPARENT})
+    finally:
+        proxy.stop()
+    (span,) = [s for s in receiver.wait_spans(1) if s.name.startswith("embeddings ")]
+    assert span.name == "embeddings good-model" and attrs(span)["gen_ai.operation.name"] == "embeddings"
+    assert span.trace_id.hex() == CLIENT_TRACE_ID and span.parent_span_id.hex() == CLIENT_SPAN_ID
+    assert attrs(span)["modelcanary.route"] == "support-bot"

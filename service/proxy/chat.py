@@ -284,9 +284,9 @@ class Proxy:
         return attempt.reply
 
     def upstream_headers(self, call: Call, model: ModelConfig, provider: Provider, headers: Mapping[str, str],
-                         forwarded: tuple[str, ...] = ()) -> dict[str, str]:
+                         forwarded: tuple[str, ...] = (), operation: str = "chat") -> dict[str, str]:
         """The upstream request's headers: the provider's key (else the client's), the `forwarded` client
-        headers, and the trace context; starts the call's span when tracing is on."""
+        headers, and the trace context; starts the call's span (GenAI `operation`) when tracing is on."""
         up_headers = {"Content-Type": "application/json",
                       "Accept": "text/event-stream" if call.stream else "application/json"}
         up_headers.update((k, headers[k]) for k in forwarded if k in headers)
@@ -296,7 +296,8 @@ class Proxy:
         if self.tracing is not None:
             call.span = self.tracing.start_call(route=call.route, role=call.role, request_model=model.name,
                                                 provider=model.provider, traceparent=call.traceparent,
-                                                tracestate=headers.get("tracestate"), stream=call.stream)
+                                                tracestate=headers.get("tracestate"), stream=call.stream,
+                                                operation=operation)
             assert call.span is not None  # enabled tracing starts a span
             up_headers.update(call.span.upstream_headers())
         elif call.traceparent:  # W3C trace context passed on as it came, tracestate with its traceparent
@@ -446,12 +447,12 @@ class Proxy:
         except ClientDisconnect:
             return Response(status_code=499)
         provider = self.providers[model.provider]
-        up_headers = {"Content-Type": request.headers.get("content-type", "application/json")}
-        auth = provider.auth_header(self._client_auth(request.headers))
-        if auth:
-            up_headers["Authorization"] = auth
         call = Call(request_id=request_id, route=route or key, model_key=model_key, role="stable", segment=PASSTHROUGH_SEGMENT,
-                    started=started, request=None, stream=body is not None and body.get("stream") is True)
+                    started=started, request=None, stream=body is not None and body.get("stream") is True,
+                    traceparent=request.headers.get("traceparent"))
+        up_headers = self.upstream_headers(call, model, provider, request.headers,
+                                           operation=PASSTHROUGH_OPERATIONS.get(path.split("/", 1)[0], path.split("/", 1)[0]))
+        up_headers["Content-Type"] = request.headers.get("content-type", "application/json")  # a file upload's too
         qs = ("?" + request.url.query) if request.url.query else ""
         self._start(call)
         sent = await self.forward(call, provider, upstream_path(request, path) + qs, raw, up_headers,
@@ -527,6 +528,8 @@ def upstream_path(request: Request, path: str) -> str:
     return quote(raw[3:] if raw.startswith(b"/v1/") else "/" + path, safe="/%:@!$&'()*+,;=-._~")
 
 
+# GenAI's operation names for the endpoints passed through; other endpoints are named by their path
+PASSTHROUGH_OPERATIONS = {"embeddings": "embeddings", "completions": "text_completion"}
 ENDPOINT_OF_API = {"openai": "POST /v1/chat/completions or POST /v1/responses", "anthropic": "POST /v1/messages"}
 
 

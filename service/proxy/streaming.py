@@ -120,13 +120,14 @@ class StreamRelay:
                     if over:
                         self._over = True
                         break
-            if partial:
-                yield partial  # the upstream ended without a final blank line
             clipped = self._size >= STREAM_CAPTURE_LIMIT
             call.verdict = self._judge(self._whole_events() if clipped else b"".join(self._captured), clipped)
             if clipped and call.verdict.ok and not self._over:  # its end is past what was captured
                 call.verdict = failed("bad_response", "the stream ended before its last event")
-            if call.verdict.cause == "bad_response":  # say so, never end silently (even after [DONE])
+            if partial and call.verdict.cause != "bad_response":
+                yield partial  # the upstream ended without a final blank line: a whole last event
+            if call.verdict.cause == "bad_response":  # say so, never end silently (even after [DONE]); an
+                # unended event that is part of the problem is not forwarded: the client sees whole events
                 yield self._error_event(502, f"upstream stream is malformed: {call.verdict.detail}", "bad_response")
         except TransportFailure as e:
             # a cut-off event is never forwarded: the client sees whole events, then this error event

@@ -17,10 +17,10 @@ class AnthropicProvider(OpenAICompatibleProvider):
         return self._api_key or client_auth
 
     async def send(self, path: str, body: bytes, headers: dict[str, str], stream: bool,
-                   method: str = "POST") -> UpstreamReply:
+                   method: str = "POST", timeout_s: float | None = None) -> UpstreamReply:
         headers = dict(headers)
         credential = headers.pop("Authorization", None)
         if credential:
             headers["x-api-key"] = credential[7:].strip() if credential[:7].lower() == "bearer " else credential
         headers.setdefault("anthropic-version", ANTHROPIC_VERSION)
-        return await super().send(path, body, headers, stream, method)
+        return await super().send(path, body, headers, stream, method, timeout_s)

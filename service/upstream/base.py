@@ -38,12 +38,14 @@ class UpstreamReply:
 
 
 class TransportFailure(Exception):
-    """No HTTP answer: cause is `timeout` or `connection_error`."""
+    """No (whole) HTTP answer: cause is `timeout` or `connection_error`. `answered`: part of the answer
+    had come, so the upstream took the request (it is never sent again)."""
 
-    def __init__(self, cause: str, detail: str):
+    def __init__(self, cause: str, detail: str, answered: bool = False):
         super().__init__(detail)
         self.cause = cause
         self.detail = detail
+        self.answered = answered
 
 
 class Provider(Protocol):
@@ -54,7 +56,8 @@ class Provider(Protocol):
         """The Authorization value to send upstream: the provider's own key, else the client's."""
 
     async def send(self, path: str, body: bytes, headers: dict[str, str], stream: bool,
-                   method: str = "POST") -> UpstreamReply:
-        """One attempt. Raises TransportFailure when no HTTP answer arrives."""
+                   method: str = "POST", timeout_s: float | None = None) -> UpstreamReply:
+        """One attempt. Raises TransportFailure when no HTTP answer arrives. `timeout_s`: a shorter
+        time than the provider's own for this attempt (what is left of the call's)."""
 
     async def close(self) -> None: ...

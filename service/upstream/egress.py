@@ -1,6 +1,7 @@
 """The egress proxy an upstream origin is reached through. It comes from the environment, the way
 curl, requests and the openai SDK read it: `HTTPS_PROXY` for https:// origins, `HTTP_PROXY` for
-http:// ones (either case; the lower-case name wins), and `NO_PROXY` for hosts that go direct.
+http:// ones (either case; the lower-case name wins), and `NO_PROXY` for hosts that go direct (names,
+domain suffixes, and, as curl reads them, IP ranges such as `10.0.0.0/8`).
 
 The proxy must be an http:// URL, optionally with `user:password@`, sent as Basic
 `Proxy-Authorization`. An https:// origin goes through a CONNECT tunnel, and TLS runs inside it
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import socket
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
@@ -40,7 +42,7 @@ def egress_proxy(scheme: str, host: str) -> EgressProxy | None:
     naming the variable, for a proxy URL that is not http://."""
     proxies = getproxies_environment()
     url = proxies.get(scheme)
-    if not url or proxy_bypass_environment(host, proxies):
+    if not url or proxy_bypass_environment(host, proxies) or _in_no_proxy_range(host, proxies.get("no", "")):
         return None
     parts = urlsplit(url if "://" in url else "http://" + url)
     if parts.scheme != "http" or not parts.hostname:
@@ -50,6 +52,23 @@ def egress_proxy(scheme: str, host: str) -> EgressProxy | None:
         credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
         authorization = "Basic " + base64.b64encode(credentials).decode("ascii")
     return EgressProxy(parts.hostname, parts.port or 80, authorization)
+
+
+def _in_no_proxy_range(host: str, no_proxy: str) -> bool:
+    """Whether IP address `host` is in one of NO_PROXY's CIDR ranges (urllib reads names only)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    for entry in no_proxy.split(","):
+        entry = entry.strip()
+        if "/" in entry:
+            try:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except ValueError:
+                continue
+    return False
 
 
 async def tunnel(loop: asyncio.AbstractEventLoop, proxy: EgressProxy, host: str, port: int) -> socket.socket:

@@ -11,7 +11,8 @@ What it does: TLS (`https://`, the system's CAs), an egress proxy from the envir
 close-delimited bodies, gzip/deflate bodies (decoded), a connect timeout, and either a deadline for
 the whole answer or, for streams, a limit on the gap between two reads. A stream that outruns its
 reader stops the socket's reads until the reader catches up; that pause is not counted in the gap.
-Not done, since an LLM API needs none of it: redirects, HTTP/2, 1xx answers.
+1xx interim answers (100 Continue, 103 Early Hints) are read past. Not done, since an LLM API
+needs none of it: redirects, HTTP/2.
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ from service.upstream.egress import EgressProxy, TunnelRefused, egress_proxy, tu
 KEEPALIVE_S = 30.0
 # A stream's unread body: above this the socket stops reading, below half of it reads again.
 HIGH_WATER = 256 * 1024
+# An answer's head (status line and headers) larger than this is refused, as the proxy's own server does.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class HTTPFailure(Exception):
-    """No (whole) HTTP answer: `timeout` when the time ran out, else `connection_error`."""
+    """No (whole) HTTP answer: `timeout` when the time ran out, else `connection_error`. `answered`:
+    some of the answer had come (the server took the request: sending it again could do it twice)."""
 
-    def __init__(self, timeout: bool, detail: str):
+    def __init__(self, timeout: bool, detail: str, answered: bool = False):
         super().__init__(detail)
         self.timeout = timeout
         self.detail = detail
+        self.answered = answered
 
 
 class Origin:
@@ -177,6 +182,8 @@ class Connection(asyncio.Protocol):
         self._backpressure = False  # a stream read chunk by chunk: its socket pauses above HIGH_WATER
         self._paused = False
         self._head_in = False
+        self._head_bytes = 0  # of the answer so far: any is an answer begun
+        self._interim = False  # a 1xx answer is being read: the final one follows it
         self._keep_alive = False
         self._done = False
         self._failure: HTTPFailure | None = None
@@ -280,7 +287,7 @@ class Connection(asyncio.Protocol):
 
     def _fail(self, timeout: bool, detail: str) -> None:
         if self._failure is None and not self._done:
-            self._failure = HTTPFailure(timeout, detail)
+            self._failure = HTTPFailure(timeout, detail, answered=self._head_bytes > 0)
         self._wake()
 
     def _on_timer(self) -> None:
@@ -311,10 +318,16 @@ class Connection(asyncio.Protocol):
             return
         if self._stream:
             self._last_read = self._loop.time()
+        if not self._head_in:
+            self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._fail(False, f"malformed HTTP answer ({type(e).__name__})")
+            self.close()
+            return
+        if not self._head_in and self._head_bytes > MAX_HEAD_BYTES:  # httptools would hold all of it
+            self._fail(False, f"an answer head over {MAX_HEAD_BYTES // 1024} KiB")
             self.close()
 
     def eof_received(self) -> bool:
@@ -342,6 +355,9 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
+        if 100 <= self.status < 200 and self.status != 101:  # interim: the final answer follows
+            self._interim = True
+            return
         self._keep_alive = self._parser.should_keep_alive()  # llhttp forgets it once the message is over
         self._head_in = True
         encoding = self.headers.get("content-encoding", "").strip().lower()
@@ -368,6 +384,10 @@ class Connection(asyncio.Protocol):
             self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            self.status, self.headers = 0, {}
+            return
         if self._decoder is not None:
             rest = self._decoder.flush()
             if not self._decoder.eof:  # the compressed data stops short of its end

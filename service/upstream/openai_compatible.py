@@ -32,9 +32,10 @@ class OpenAICompatibleProvider:
         return client_auth
 
     async def send(self, path: str, body: bytes, headers: dict[str, str], stream: bool,
-                   method: str = "POST") -> UpstreamReply:
+                   method: str = "POST", timeout_s: float | None = None) -> UpstreamReply:
+        timeout = self._timeout_s if timeout_s is None else min(timeout_s, self._timeout_s)
         try:
-            conn = await self._origin.request(method, path, body, headers, self._timeout_s, stream)
+            conn = await self._origin.request(method, path, body, headers, timeout, stream)
         except HTTPFailure as e:
             raise self._failure(e, f"no answer from {self.name} in time") from None
         reply_headers = conn.headers  # the connection starts a new dict for its next answer
@@ -54,8 +55,8 @@ class OpenAICompatibleProvider:
 
     def _failure(self, e: HTTPFailure, timed_out: str) -> TransportFailure:
         if e.timeout:
-            return TransportFailure("timeout", timed_out)
-        return TransportFailure("connection_error", f"{self.name}: {e.detail}")
+            return TransportFailure("timeout", timed_out, e.answered)
+        return TransportFailure("connection_error", f"{self.name}: {e.detail}", e.answered)
 
     async def _chunks(self, conn: Connection) -> AsyncIterator[bytes]:
         """The body as it comes. The reader releases the connection (`UpstreamReply.settle`/`release`),

@@ -91,7 +91,8 @@ async def send_with_retries(
     method: str = "POST",
     deadline_s: float | None = None,
 ) -> Attempted:
-    """Send, retrying connection errors, 429 and 502/503/504 while the budget allows.
+    """Send, retrying connection errors before any of the answer came, 429 and 502/503/504 while the
+    budget allows.
 
     A stream is retried only before its first byte: a 200 reply is returned unread.
     `on_retry(cause, start_ns, end_ns)` is called for each failed attempt that is retried.
@@ -103,14 +104,18 @@ async def send_with_retries(
         t0 = time.time_ns()
         failure: TransportFailure | None = None
         reply: UpstreamReply | None = None
+        # a retried plain call gets what is left of the call's time (a stream's limit is on each gap)
+        left = None if stream or deadline_s is None or not retries else deadline_s - (time.monotonic() - started)
         try:
-            reply = await provider.send(path, body, headers, stream, method)
+            reply = await provider.send(path, body, headers, stream, method, left)
         except TransportFailure as e:
             failure = e
         if reply is not None and not _retryable_reply(reply):
             return Attempted(reply, None, retries)
-        if failure is not None and failure.cause == "timeout":
-            return Attempted(None, failure, retries)  # a hung upstream already used the time budget
+        if failure is not None and (failure.cause == "timeout" or failure.answered):
+            # a hung upstream already used the time budget; one that took the request (part of an
+            # answer came) could do it twice
+            return Attempted(None, failure, retries)
         cause = failure.cause if failure else error_cause(reply.status, json_object(reply.body))  # type: ignore[union-attr]
         if retries >= provider.max_retries or cause == "quota_exceeded":  # no quota comes back in seconds
             return Attempted(reply, failure, retries)
