@@ -46,7 +46,8 @@ def test_evidence_counts_a_record_delivered_twice_once():
     assert ev.current.candidate_requests == 1 and ev.current.shadow_records == 1
     fb = outcome("canary", "chat", True)
     fb.kind, fb.outcome, fb.success = "feedback", None, True
-    later = fb.model_copy(update={"ts": fb.ts + 5})  # feedback by session: same id, another task
+    fb.request_id = fb.session_id_hash = "5e55" * 4  # feedback by session: its id is the session's hash
+    later = fb.model_copy(update={"ts": fb.ts + 5})  # the same id, another task
     assert ev.add_outcome(fb) and ev.add_outcome(later) and not ev.add_outcome(fb.model_copy())
     assert ev.totals(("live", "candidate"), "overall").fb_n == 2
 

@@ -145,12 +145,34 @@ def test_the_leader_keeps_an_operators_action_made_on_the_state_before_its_epoch
     assert not leader.adopt(promote)                               # an older epoch: not by precedence ...
     assert leader.adopt_operator(promote)                          # ... but the operator's action is kept
     kept = leader.get("bot")
-    assert (kept.phase, kept.version, kept.epoch) == ("promoted", 6, 2) and published[-1] == kept
+    assert (kept.phase, kept.version, kept.epoch) == ("promoted", 7, 2) and published[-1] == kept
     assert precedence(kept) > precedence(published[-2])            # every replica follows it
     # another stale action of the same version loses to the one kept; a deposed controller's state is no
     # operator's, whatever its version
     assert not leader.adopt_operator(state(6, epoch=1, phase="paused", by="operator"))
     assert not leader.adopt_operator(state(9, epoch=1))
+    assert leader.get("bot") == kept
+
+
+def test_the_leader_keeps_an_operators_action_that_raced_its_own_step():
+    """Same epoch: the controller commits a step (version 6) and its hold (7) while an operator, on a
+    replica that saw version 5, rolls back (its version 6). The rollback loses on precedence, but the
+    leader commits it again above its own versions: an action acknowledged to the operator stands.
+    Delivered twice, it is applied once; a pause that comes after the judge ended the rollout is not."""
+    published: list[RolloutState] = []
+    leader = RolloutBook(make_config(), publish=published.append)
+    assert leader.adopt(state(5, epoch=2))
+    leader.epoch = 2
+    leader.decide("bot", LastDecision(decision="step", reasons=["step"]))   # version 6
+    leader.decide("bot", LastDecision(decision="hold", reasons=["hold"]))   # version 7
+    rollback = state(6, epoch=2, phase="rolled_back", since=200.0, by="operator")
+    assert not leader.adopt(rollback)
+    assert leader.adopt_operator(rollback)
+    kept = leader.get("bot")
+    assert (kept.phase, kept.version, kept.epoch) == ("rolled_back", 8, 2) and published[-1] == kept
+    assert not leader.adopt_operator(rollback)  # delivered twice
+    late_pause = state(7, epoch=2, phase="paused", since=300.0, by="operator")
+    assert not leader.adopt(late_pause) and not leader.adopt_operator(late_pause)  # the rollout has ended
     assert leader.get("bot") == kept
 
 

@@ -7,6 +7,7 @@ Kafka mode, the rollouts topic (latest version wins).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from service.rollout.segments import TERMINAL, Action, TransitionError, UnknownS
 from service.rollout.state_file import StateFile
 
 ACTIONS: tuple[Action, ...] = ("promote", "pause", "resume", "rollback")
+log = logging.getLogger("modelcanary.rollout")
+
 __all__ = ["ACTIONS", "TERMINAL", "Action", "RolloutBook", "Split", "TransitionError", "UnknownSegment"]
 
 
@@ -107,6 +110,7 @@ class RolloutBook:
         # (Kafka mode); None elsewhere: a change keeps the epoch of the state it derives from
         self.epoch: int | None = None
         self._listeners: list[Callable[[RolloutState, RolloutState | None], None]] = []
+        self._operator_actions: set[tuple[str, float]] = set()  # (route, decision ts) applied here
         self.states: dict[str, RolloutState] = {}
         self.routing: dict[str, Split] = {}
         saved = self._file.load() if self._file is not None else {}
@@ -232,6 +236,7 @@ class RolloutBook:
         elif incoming.report is None and current.report is not None:
             incoming = incoming.model_copy(update={"report": current.report})
         old = current
+        self._note_operator(incoming)
         self._set(incoming)
         self._save()
         for listener in self._listeners:
@@ -239,24 +244,35 @@ class RolloutBook:
         return True
 
     def adopt_operator(self, incoming: RolloutState) -> bool:
-        """As the leader: keep an operator's action that a replica derived from a state of an older
-        epoch (it had not seen this leader's state yet), when no newer decision of this book has
-        superseded it; it is committed again under this book's epoch, so every replica follows it."""
+        """As the leader: keep an operator's action that a replica derived from a state older than this
+        book's (it had not seen this leader's latest decisions: an older epoch, or a step committed
+        meanwhile), so that an action the operator was told is done is not undone. It is committed
+        again above this book's version, so every replica follows it. Not when a later operator action
+        stands, nor when the judge ended the rollout meanwhile (then only a rollback still applies)."""
         current = self.states.get(incoming.route)
         decision = incoming.last_decision
         if current is None or self.epoch is None or decision is None or decision.by != "operator":
             return False
-        ours_newer = current.version > incoming.version or (
-            current.version == incoming.version and current.last_decision is not None
-            and current.last_decision.by == "operator")
         same = (incoming.stable, candidates_of(incoming), incoming.scope) == \
             (current.stable, candidates_of(current), current.scope)
-        if ours_newer or not same:
+        if not same or (incoming.route, decision.ts) in self._operator_actions:
             return False
+        latest = current.last_decision
+        if latest is not None and latest.by == "operator" and latest.ts >= decision.ts:
+            return False
+        if current.phase in TERMINAL and (decision.decision != "rollback" or current.phase == "rolled_back"):
+            log.warning("route %s: an operator's %s came after the rollout ended (%s); not applied", incoming.route,
+                        decision.decision, current.phase)
+            return False
+        update: dict = {"version": max(incoming.version, current.version + 1)}
         if incoming.report is None and current.report is not None:
-            incoming = incoming.model_copy(update={"report": current.report})
-        self._commit(incoming, count=None)
+            update["report"] = current.report
+        self._commit(incoming.model_copy(update=update), count=None)
         return True
+
+    def _note_operator(self, state: RolloutState) -> None:
+        if state.last_decision is not None and state.last_decision.by == "operator":
+            self._operator_actions.add((state.route, state.last_decision.ts))
 
     def reload(self, config: Config) -> list[str]:
         """Adopt a new config; a route whose stable or candidate changed starts a new rollout."""
@@ -335,6 +351,7 @@ class RolloutBook:
 
     def _commit(self, state: RolloutState, count: str | None = "phase") -> RolloutState:
         old = self.states.get(state.route)
+        self._note_operator(state)
         if self.epoch is not None and state.epoch != self.epoch:
             state = state.model_copy(update={"epoch": self.epoch})
         state = with_window(state)

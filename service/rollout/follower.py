@@ -41,14 +41,16 @@ class Follower:
             if isinstance(rec, RolloutState):
                 if book.adopt(rec):
                     self.adopted += 1
-                elif book.epoch is not None and rec.epoch < book.epoch and rec.route in book.states:
-                    if book.adopt_operator(rec):
-                        log.info("route %s: kept an operator's %s made on a state of epoch %d", rec.route,
-                                 rec.last_decision.decision if rec.last_decision else "action", rec.epoch)
+                elif book.epoch is not None and rec.epoch <= book.epoch and rec.route in book.states:
+                    if book.adopt_operator(rec):  # made on a state older than this leader's latest
+                        log.info("route %s: kept an operator's %s made on epoch %d, version %d", rec.route,
+                                 rec.last_decision.decision if rec.last_decision else "action", rec.epoch,
+                                 rec.version - 1)
                         continue
-                    log.warning("route %s: ignored a state of epoch %d (version %d) from a deposed controller",
-                                rec.route, rec.epoch, rec.version)
-                    book.republish(rec.route)
+                    if rec.epoch < book.epoch:
+                        log.warning("route %s: ignored a state of epoch %d (version %d) from a deposed controller",
+                                    rec.route, rec.epoch, rec.version)
+                        book.republish(rec.route)
             elif isinstance(rec, RolloutReport):
                 self._report(rec)
 
