@@ -207,3 +207,42 @@ def test_a_reload_moves_or_stops_the_webhook_and_an_action_posts_once(servers):
         assert posts_after("pause", "paused") == []
     finally:
         hook.shutdown()
+
+
+def test_a_reload_that_changes_a_provider_lets_the_calls_under_way_finish(servers):
+    """Only new calls go to the changed provider: streams and plain calls already under way end whole
+    on their connections, never cut (and recorded as the provider's connection_error) nor sent again."""
+    import concurrent.futures
+    import copy
+
+    from tests.fixtures.servers import SIM_MODEL
+
+    slow = {**copy.deepcopy(SIM_MODEL), "latency_s": {"median": 1.5, "p95": 1.6}, "ttft_s": {"median": 0.1, "p95": 0.2}}
+    sim = servers.simulator(sim_config({"good-model": slow, "new-model": slow}, time_scale=1.0))
+    proxy = servers.proxy(proxy_config(sim.url), env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0, timeout=20)
+    messages = [{"role": "user", "content": "tell me something"}]
+
+    def plain() -> str:
+        return client.chat.completions.create(model="support-bot", messages=messages).choices[0].finish_reason
+
+    def streamed() -> str:
+        finish = None
+        for chunk in client.chat.completions.create(model="support-bot", messages=messages, stream=True):
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+        return finish
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        calls = [pool.submit(f) for f in (plain, plain, streamed, streamed)]
+        deadline = time.monotonic() + 10
+        while metric_value(scrape(proxy.url), "modelcanary_in_flight_requests", route="support-bot") < 4:
+            assert time.monotonic() < deadline, "the calls never got under way"
+            time.sleep(0.02)
+        write(proxy, lambda cfg: cfg["providers"]["sim"].update(timeout_s=25))
+        status, body = call(proxy, "POST", "/admin/reload")
+        assert status == 200, body
+        assert [c.result(timeout=20) for c in calls] == ["stop"] * 4
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_failures_total", model="stable-m") == 0
+    assert metric_value(text, "modelcanary_upstream_retries_total") == 0
+    assert plain() == "stop"  # and the changed provider serves what comes next

@@ -42,7 +42,7 @@ from service.rollout.controller import Controller
 from service.rollout.follower import follow
 from service.rollout.notify import Notifier
 from service.tracing import Tracing
-from service.upstream import make_providers
+from service.upstream import make_provider, make_providers
 
 if TYPE_CHECKING:
     from service.bus.kafka import KafkaBus
@@ -219,9 +219,9 @@ class Runtime:
         for name, cfg in config.providers.items():
             if name not in self.config.providers or cfg != self.config.providers[name]:
                 old = self.providers.get(name)
-                self.providers[name] = make_providers(config)[name]
-                if old is not None:
-                    asyncio.get_running_loop().create_task(old.close())
+                self.providers[name] = make_provider(name, cfg)
+                if old is not None:  # the calls under way finish on it
+                    old.retire()
         self.config = config
         self.notifier.url = config.notify.webhook_url
         self.sampler.reload(config)

@@ -60,4 +60,8 @@ class Provider(Protocol):
         """One attempt. Raises TransportFailure when no HTTP answer arrives. `timeout_s`: a shorter
         time than the provider's own for this attempt (what is left of the call's)."""
 
+    def retire(self) -> None:
+        """Replaced (a reload changed it): calls under way finish on their connections, which then
+        close; idle connections close now."""
+
     async def close(self) -> None: ...

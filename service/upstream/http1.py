@@ -75,6 +75,7 @@ class Origin:
                 self._host_line += f"Proxy-Authorization: {self._egress.authorization}\r\n".encode("latin-1")
         self._idle: deque[Connection] = deque()
         self._open: set[Connection] = set()
+        self._retired = False
 
     async def request(self, method: str, path: str, body: bytes, headers: dict[str, str],
                       timeout_s: float, stream: bool) -> Connection:
@@ -98,6 +99,12 @@ class Origin:
         for conn in list(self._open):
             conn.close()
         self._idle.clear()
+
+    def retire(self) -> None:
+        """No connection is reused from now on: the idle ones close, the busy ones once released."""
+        self._retired = True
+        while self._idle:
+            self._idle.pop().close()
 
     def _head(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         lines = [f"{method} {self._target}{self.base_path}{path} HTTP/1.1\r\n".encode("latin-1"), self._host_line]
@@ -154,6 +161,9 @@ class Origin:
         return conn
 
     def _put_back(self, conn: Connection) -> None:
+        if self._retired:
+            conn.close()
+            return
         conn.idle_since = asyncio.get_running_loop().time()
         self._idle.append(conn)
 

@@ -50,6 +50,9 @@ class OpenAICompatibleProvider:
             conn.release()
         return UpstreamReply(conn.status, reply_headers, body=data)
 
+    def retire(self) -> None:
+        self._origin.retire()
+
     async def close(self) -> None:
         await self._origin.close()
 
