@@ -607,6 +607,8 @@ async def _collect(config: Config) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP: `modelcanary collect` reads its config at start "
+                            "only; restart it (and `control`) with the changed file, as the chart does")
     bus = make_bus(config.events)
     providers = make_providers(config)
     tracing = Tracing(config.tracing, service_name="modelcanary-collect")

@@ -25,15 +25,15 @@ from service.proxy import app
 WORKER_FACTORY = "modelcanary.compose:worker_app"
 
 
-def create_app(config: Config, config_path: str | None = None) -> FastAPI:
-    return app.create_app(config, config_path, shadow_workers=run_in_child)
+def create_app(config: Config, config_path: str | None = None, workers: int = 1) -> FastAPI:
+    return app.create_app(config, config_path, shadow_workers=run_in_child, workers=workers)
 
 
 def worker_app() -> FastAPI:
     """uvicorn factory for `serve --workers N` (each worker process): the config path comes from
-    MODELCANARY_CONFIG; the GC is tuned as in one process."""
+    MODELCANARY_CONFIG, N from MODELCANARY_WORKERS; the GC is tuned as in one process."""
     path = os.environ["MODELCANARY_CONFIG"]
-    application = create_app(load_config(path), path)
+    application = create_app(load_config(path), path, workers=int(os.environ["MODELCANARY_WORKERS"]))
     cli.tune_gc()
     return application
 

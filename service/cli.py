@@ -133,6 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   server_header=False, date_header=False)
     if workers > 1:
         os.environ["MODELCANARY_CONFIG"] = os.path.abspath(args.config)
+        os.environ["MODELCANARY_WORKERS"] = str(workers)
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="modelcanary-metrics-"))
         uvicorn.run(args.wiring.WORKER_FACTORY, factory=True, workers=workers, **common)
         return 0

@@ -668,6 +668,14 @@ def tls_file_problems(config: Config) -> list[str]:
             if key in resolved and not (os.path.isfile(resolved[key]) and os.access(resolved[key], os.R_OK))]
 
 
+class ReloadRefused(Exception):
+    """A reload this process can't do (`code` says why, for the admin API's answer)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class ConfigError(Exception):
     """A config that can't be used; `problems` are 'path: reason' lines."""
 

@@ -246,3 +246,55 @@ def test_a_reload_that_changes_a_provider_lets_the_calls_under_way_finish(server
     assert metric_value(text, "modelcanary_failures_total", model="stable-m") == 0
     assert metric_value(text, "modelcanary_upstream_retries_total") == 0
     assert plain() == "stop"  # and the changed provider serves what comes next
+
+
+def test_with_several_workers_a_reload_is_sighup_to_serve_not_one_workers_api(servers, kafka_broker):
+    """`serve --workers 2`: POST /admin/reload would reach only the worker that answers, so it is
+    refused, saying what to do; SIGHUP to `serve` restarts every worker with the file."""
+    import uuid
+
+    cfg = proxy_config(servers.simulator().url)
+    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
+                                                   "topic_prefix": "w" + uuid.uuid4().hex[:8]}}
+    proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN}, args=["--workers", "2"])
+    status, body = call(proxy, "POST", "/admin/reload")
+    assert status == 409 and body["error"]["code"] == "several_workers" and "SIGHUP" in body["error"]["message"]
+
+    write(proxy, lambda c: c["routes"]["support-bot"].update(candidate=None))
+    proxy.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 60
+    seen: set = set()
+    while time.monotonic() < deadline:  # every worker answers from the new file once both restarted
+        try:
+            seen = {call(proxy, "GET", "/admin/rollouts/support-bot")[1].get("candidate", "?") for _ in range(8)}
+        except OSError:  # a worker between its stop and its start
+            seen = set()
+        if seen == {None}:
+            break
+        time.sleep(0.5)
+    assert seen == {None}
+    assert proxy.proc.poll() is None
+
+
+@pytest.mark.parametrize("command", ["control", "collect"])
+def test_sighup_to_control_or_collect_says_to_restart_it_and_keeps_it_running(servers, kafka_broker, tmp_path,
+                                                                             command):
+    """They read their config at start only; a SIGHUP (what a reload of `serve` takes) must not kill
+    them silently: it is logged, with what to do."""
+    import uuid
+
+    from tests.fixtures.servers import free_port, write_yaml
+
+    cfg = proxy_config("http://127.0.0.1:9")
+    port = free_port()
+    cfg["events"] = {"backend": "kafka", "spool": {"dir": str(tmp_path / "spool")},
+                     "kafka": {"bootstrap_servers": kafka_broker.bootstrap, "topic_prefix": "h" + uuid.uuid4().hex[:8]}}
+    cfg[command] = {"metrics_port": port}
+    path = write_yaml(tmp_path / f"{command}.yaml", cfg)
+    proc = servers.process([command, "--config", str(path)], command, ready_url=f"http://127.0.0.1:{port}/healthz")
+    proc.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "SIGHUP" not in proc.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "reads its config at start only; restart it" in proc.output()
+    assert proc.proc.poll() is None

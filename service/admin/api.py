@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from service.config import ConfigError
+from service.config import ConfigError, ReloadRefused
 from service.errors import openai_error
 from service.records import dump
 from service.rollout.book import ACTIONS, TransitionError, UnknownSegment
@@ -145,8 +145,8 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
             restarted = runtime.reload()
         except ConfigError as e:
             return openai_error(400, f"config not reloaded: {'; '.join(e.problems)}", code="invalid_config")
-        except ValueError as e:
-            return openai_error(409, str(e), code="no_config_file")
+        except ReloadRefused as e:
+            return openai_error(409, str(e), code=e.code)
         audit.info("operator action=reload restarted=%s", ",".join(restarted) or "-")
         return JSONResponse({"status": "reloaded", "new_rollouts": restarted})
 

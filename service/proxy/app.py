@@ -25,7 +25,7 @@ from service import metrics
 from service.admin.api import admin_router
 from service.admin.traffic import RecentTraffic
 from service.bus import EventBus, make_bus
-from service.config import Config, ConfigError, environment_problems, load_config
+from service.config import Config, ConfigError, ReloadRefused, environment_problems, load_config
 from service.errors import openai_error
 from service.feedback import unmatched_route
 from service.proxy.chat import BadRequest, Proxy
@@ -108,10 +108,12 @@ OWNERS_TAIL = 20_000   # outcomes a starting replica reads back to learn recent 
 class Runtime:
     """Everything one proxy process runs."""
 
-    def __init__(self, config: Config, config_path: str | None, shadow_workers: ShadowRunner | None = None):
+    def __init__(self, config: Config, config_path: str | None, shadow_workers: ShadowRunner | None = None,
+                 workers: int = 1):
         self.config = config
         self.shadow_workers = shadow_workers
         self.config_path = config_path
+        self.workers = workers  # `serve --workers N`: this process is one of N
         self.bus: EventBus = make_bus(config.events)
         kafka = config.events.backend == "kafka"
         persist = None if kafka else Path(config.state_dir) / "rollouts.json"
@@ -182,7 +184,7 @@ class Runtime:
             self.reload()
         except ConfigError as e:
             log.error("SIGHUP: config not reloaded: %s", "; ".join(e.problems))
-        except ValueError as e:
+        except ReloadRefused as e:
             log.error("SIGHUP: %s", e)
 
     async def close(self) -> None:
@@ -207,7 +209,11 @@ class Runtime:
         """Apply the config file again, or raise ConfigError and keep the running config: also for what
         `serve` would refuse at start (environment_problems)."""
         if not self.config_path:
-            raise ValueError("the proxy was started without a config file; nothing to reload")
+            raise ReloadRefused("no_config_file", "the proxy was started without a config file; nothing to reload")
+        if self.workers > 1:
+            raise ReloadRefused("several_workers", f"this proxy runs {self.workers} worker processes (serve --workers "
+                                f"{self.workers}): a reload here would reach only the one that answered; send "
+                                "SIGHUP to the `modelcanary serve` process, which restarts every worker with the file")
         config = load_config(self.config_path)
         problems = environment_problems(config, proxy=True) + start_only_changes(self.config, config)
         if problems:
@@ -247,8 +253,8 @@ def start_only_changes(running: Config, new: Config) -> list[str]:
 
 
 def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - counts its nested route handlers together; each is a few lines
-               shadow_workers: ShadowRunner | None = None) -> FastAPI:
-    runtime = Runtime(config, config_path, shadow_workers)
+               shadow_workers: ShadowRunner | None = None, workers: int = 1) -> FastAPI:
+    runtime = Runtime(config, config_path, shadow_workers, workers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -188,6 +188,8 @@ async def control(config: Config) -> int:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP: `modelcanary control` reads its config at start "
+                            "only; restart it (and `collect`) with the changed file, as the chart does")
     status = Status()
     runner = await serve_health(config, status)
     events = config.events
