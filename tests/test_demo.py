@@ -65,6 +65,47 @@ def test_history_keeps_a_segment_decided_before_it_was_first_seen():
     ]
 
 
+def test_the_demo_counts_an_evaluation_per_candidate_call_not_the_noise_floors():
+    """Each shadowed request is one evaluation per candidate; the stable model asked again (the noise
+    floor) is part of each, not one more."""
+    from service.demo.runner import ROUTE, _scrape
+
+    text = "".join(f'modelcanary_shadow_requests_total{{route="{ROUTE}",model="{m}",outcome="completed"}} {n}\n'
+                   for m, n in (("candidate-m", 40), ("budget-m", 40), ("stable-m", 40)))
+    assert _scrape(text, "stable-m")["shadow"]["evaluated"] == 80
+
+
+def test_stopping_the_demo_while_it_starts_leaves_no_process(tmp_path):
+    """SIGTERM before the services are ready (as a terminal's close or a CI timeout sends it): the
+    simulator and the proxy, in sessions of their own, are stopped too."""
+    import os
+    import signal
+    import tempfile
+    import time
+
+    before = set(Path(tempfile.gettempdir()).glob("modelcanary-demo-*"))
+    demo = subprocess.Popen([sys.executable, "-m", "modelcanary", "demo", "--duration", "60"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        workdir = None
+        while workdir is None or not (workdir / "modelcanary.yaml").exists():  # the proxy is being started
+            assert time.monotonic() < deadline and demo.poll() is None, "the demo never started its services"
+            new = set(Path(tempfile.gettempdir()).glob("modelcanary-demo-*")) - before
+            workdir = next(iter(new), None)
+            time.sleep(0.05)
+        demo.send_signal(signal.SIGTERM)
+        demo.wait(30)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    left = [line for line in subprocess.run(["ps", "-eww", "-o", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+            if str(workdir) in line]
+    for line in left:  # clean up before failing
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not left, left
+
+
 @pytest.mark.timeout(MAX_UNATTENDED_S + 90)
 def test_demo_route_scope_rolls_back_the_candidate_that_breaks_tools():
     result_stdout, last = demo("--route-scope")

@@ -222,6 +222,9 @@ def start(directory: str | Path, models: Sequence[dict] | None = None, *, n_ctx:
             if "address already in use" in last_error.lower():
                 continue
             raise
+        except BaseException:  # interrupted while it loads: never left running
+            server.stop()
+            raise
         server.startup_s = time.monotonic() - started
         return server
     raise LlamaServerError(last_error)

@@ -25,6 +25,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from service.demo import llama as llama_server
 from service.rollout.segments import TERMINAL
 
 CONFIGS = resources.files("service.demo") / "configs"  # package data: works from an installed wheel
@@ -118,7 +119,9 @@ async def _traffic(url: str, stop: asyncio.Event, rate: float, sent: list[int], 
             await sem.acquire()
 
 
-def _scrape(text: str) -> dict:  # noqa: C901 - one flat dispatch on metric names
+def _scrape(text: str, stable: str) -> dict:  # noqa: C901 - one flat dispatch on metric names
+    """The demo's numbers from /metrics; an evaluation is a candidate's shadow call (the `stable`
+    model's are the noise floor, one per request whatever the candidates)."""
     by_role: dict = defaultdict(lambda: {"requests": 0.0, "completed": 0.0, "retries": 0.0, "buckets": {},
                                          "causes": defaultdict(float)})
     shadow = {"evaluated": 0.0, "agree": 0.0, "disagree": 0.0, "noise_agree": 0.0, "noise_disagree": 0.0}
@@ -139,7 +142,7 @@ def _scrape(text: str) -> dict:  # noqa: C901 - one flat dispatch on metric name
             elif s.name == "modelcanary_request_duration_seconds_bucket":
                 le = float(labels["le"])
                 by_role[role]["buckets"][le] = by_role[role]["buckets"].get(le, 0.0) + s.value
-            elif s.name == "modelcanary_shadow_requests_total":
+            elif s.name == "modelcanary_shadow_requests_total" and labels.get("model") != stable:
                 shadow["evaluated"] += s.value
             elif s.name == "modelcanary_shadow_agreement_total":
                 key = ("" if labels["comparison"] == "candidate" else "noise_") + labels["result"]
@@ -239,8 +242,8 @@ def observe(state: dict, roll: Roll, elapsed: float) -> None:
         roll.decision, roll.reasons = last.get("decision", roll.decision), last.get("reasons") or roll.reasons
 
 
-async def _run(url: str, token: str, duration: float | None, console: Console,
-               pace: tuple[float, int], mix: tuple[float, ...] = ROUTE_MIX) -> tuple[dict, Roll, float]:
+async def _run(url: str, token: str, duration: float | None, console: Console, pace: tuple[float, int],
+               stable: str, mix: tuple[float, ...] = ROUTE_MIX) -> tuple[dict, Roll, float]:
     """Traffic at `pace` (requests a second, at most this many at once) of the `mix`, and the live view."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -262,7 +265,7 @@ async def _run(url: str, token: str, duration: float | None, console: Console,
                 await asyncio.sleep(0.5)
                 elapsed = time.monotonic() - started
                 async with session.get(url + "/metrics") as r:
-                    stats = _scrape(await r.text())
+                    stats = _scrape(await r.text(), stable)
                 await _poll_rollout(session, url, token, roll, started)
                 if live:
                     live.update(_view(stats, roll, elapsed, sent[0]))
@@ -350,25 +353,31 @@ class DemoStack:
 
     def __init__(self, workdir: Path, good_candidate: bool, real_model: bool = False, route_scope: bool = False):
         self.workdir = workdir
+        self.log_path = workdir / "services.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.procs: list[subprocess.Popen] = []
+        self.llama: llama_server.LlamaProcess | None = None
+        try:
+            self._start(good_candidate, real_model, route_scope)
+        except BaseException:  # a failure or an interrupt half-way: what started stops
+            self.stop()
+            raise
+
+    def _start(self, good_candidate: bool, real_model: bool, route_scope: bool) -> None:
+        workdir = self.workdir
         self.proxy_port = _free_port()
         chosen = REAL_MODEL if real_model else SIMULATED if route_scope or good_candidate else SEGMENTED
         config_file, good, self.pace = chosen
         self.mix = SEGMENT_MIX if chosen is SEGMENTED else ROUTE_MIX
         cfg = yaml.safe_load((CONFIGS / config_file).read_text())
         cli = [sys.executable, "-m", "modelcanary"]
-        self.log_path = workdir / "services.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.procs: list[subprocess.Popen] = []
-        self.llama = None
         if real_model:
-            from service.demo import llama
-
-            missing = llama.missing_components()
+            missing = llama_server.missing_components()
             if missing:
                 raise RuntimeError(f"the real model needs {', '.join(missing)}: run `make real-llm`")
-            path = llama.smollm2_path()
+            path = llama_server.smollm2_path()
             assert path is not None
-            self.llama = llama.start(workdir / "llama", [llama.model_settings(path, llama.CHAT_ALIAS)])
+            self.llama = llama_server.start(workdir / "llama", [llama_server.model_settings(path, llama_server.CHAT_ALIAS)])
             cfg["providers"]["llama"]["base_url"] = self.llama.base_url
             self.upstream = f"llama.cpp server :{self.llama.port} (SmolLM2-135M)"
         else:
@@ -385,6 +394,7 @@ class DemoStack:
         cfg["events"]["spool"] = {"dir": str(workdir / "spool")}
         if good_candidate:
             cfg["routes"][ROUTE]["candidate"] = good
+        self.stable = cfg["routes"][ROUTE]["stable"]
         self.candidate = ", ".join(cfg["routes"][ROUTE].get("candidates") or [cfg["routes"][ROUTE]["candidate"]])
         proxy_cfg = workdir / "modelcanary.yaml"
         proxy_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -414,8 +424,13 @@ class DemoStack:
         self._log.close()
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the `finally` that stops the services runs
+
+
 def run_demo(duration: float | None = None, good_candidate: bool = False, real_model: bool = False,
              route_scope: bool = False) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)  # also while the services start
     console = Console()
     try:
         stack = DemoStack(Path(tempfile.mkdtemp(prefix="modelcanary-demo-")), good_candidate, real_model, route_scope)
@@ -428,7 +443,9 @@ def run_demo(duration: float | None = None, good_candidate: bool = False, real_m
             return 1
         console.print(f"[bold]modelcanary demo[/bold]: proxy {stack.url}/v1 → {stack.upstream}; "
                       f"candidate {stack.candidate}; logs in {stack.workdir}")
-        stats, roll, elapsed = asyncio.run(_run(stack.url, stack.token, duration, console, stack.pace, stack.mix))
+        stats, roll, elapsed = asyncio.run(_run(stack.url, stack.token, duration, console, stack.pace, stack.stable,
+                                                stack.mix))
+        signal.signal(signal.SIGTERM, _interrupted)  # the loop's handler is gone: stopping still cleans up
         print(_summary(stats, roll, elapsed, stack.candidate), flush=True)
         return 0
     finally:
