@@ -120,3 +120,22 @@ def test_a_demo_duration_that_is_no_time_is_refused_naming_it(capsys, duration):
         run(capsys, ["demo", "--duration", duration])
     assert exit_.value.code == 2
     assert f"argument --duration: '{duration}' is not a duration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["collect", "control"])
+def test_collect_and_control_name_a_broker_they_cannot_reach(servers, tmp_path, command):
+    """Not minutes of silence: the first try says which bootstrap servers do not answer."""
+    import time
+
+    nowhere = f"127.0.0.1:{free_port()}"
+    port = free_port()
+    cfg = proxy_config("http://127.0.0.1:9")
+    cfg["events"] = {"backend": "kafka", "spool": {"dir": str(tmp_path / "spool")},
+                     "kafka": {"bootstrap_servers": nowhere}}
+    cfg[command] = {"metrics_port": port}
+    proc = servers.process([command, "--config", str(write_yaml(tmp_path / "c.yaml", cfg))], command,
+                           ready_url=f"http://127.0.0.1:{port}/healthz")
+    deadline = time.monotonic() + 20
+    while f"no Kafka broker reachable at {nowhere}" not in proc.output():
+        assert time.monotonic() < deadline and proc.proc.poll() is None, proc.output()[-2000:]
+        time.sleep(0.1)

@@ -27,6 +27,8 @@ log = logging.getLogger("modelcanary.bus.kafka")
 if TYPE_CHECKING:
     from service.bus.kafka.producer import KafkaBus
 
+UNREACHABLE_WARN_S = 60.0  # how often a subscription that can't reach the broker says so
+
 _lag_lock = threading.Lock()
 _lag_parts: dict[tuple[str, str], dict[int, int]] = {}
 
@@ -91,6 +93,7 @@ class KafkaSubscription:
         self._arrived: asyncio.Event | None = None
         self._consumer: KafkaConsumer | None = None
         self._retry_at = 0.0
+        self._unreachable_warned_at = -UNREACHABLE_WARN_S
         self._next_lag = 0.0
         self._next_check = 0.0
         self.topic_ids: dict[str, object] = {}
@@ -249,6 +252,15 @@ class KafkaSubscription:
         elif paused:
             consumer.resume(*paused)
 
+    def _unreachable(self) -> None:
+        """No broker answers: try again in a second, and say so at once, then each minute."""
+        now = time.monotonic()
+        self._retry_at = now + 1.0
+        if now - self._unreachable_warned_at >= UNREACHABLE_WARN_S:
+            self._unreachable_warned_at = now
+            log.warning("no Kafka broker reachable at %s (events.kafka.bootstrap_servers); consumer group %s "
+                        "waits for it, trying every second", self._bus.kafka.bootstrap_servers, self._label)
+
     def _ensure_consumer(self) -> KafkaConsumer | None:
         if self._consumer is not None:
             return self._consumer
@@ -256,7 +268,7 @@ class KafkaSubscription:
             return None
         bus = self._bus
         if not broker_reachable(bus.kafka.bootstrap_servers):
-            self._retry_at = time.monotonic() + 1.0
+            self._unreachable()
             return None
         consumer = None
         try:
