@@ -123,8 +123,12 @@ def push(grafana_url: str, token: str | None = None, models: dict[str, dict] | N
 
 
 def main_build(out: str | None = None) -> int:
-    for path in write(out):
-        print(f"wrote {path}")
+    try:
+        for path in write(out):
+            print(f"wrote {path}")
+    except OSError as e:
+        print(f"error: --out {out}: cannot write there: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 

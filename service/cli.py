@@ -117,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
-    workers = args.workers or 1
+    workers = args.workers
     if workers > 1 and config.events.backend != "kafka":
         print("error: --workers > 1 needs events.backend: kafka (each worker follows the rollouts topic); "
               "memory mode is one process", file=sys.stderr)
@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     p.add_argument("--host")
     p.add_argument("--port", type=port_number)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=worker_count, default=1)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("collect", help="run shadow workers (Kafka mode)")
@@ -349,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def worker_count(text: str) -> int:
+    """A `--workers` flag's value: 1 or more processes."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of worker processes: give 1 or more")
+    return int(text)
+
+
 def main(argv: list[str] | None, wiring: Wiring) -> int:
     """Run one command; `modelcanary.compose.main` is the entry point that hands in the wiring."""
     args = build_parser().parse_args(argv)
@@ -357,3 +364,6 @@ def main(argv: list[str] | None, wiring: Wiring) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader stopped (`| head`): no traceback, the shell's code for SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail
+        return 141

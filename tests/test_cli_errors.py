@@ -139,3 +139,19 @@ def test_collect_and_control_name_a_broker_they_cannot_reach(servers, tmp_path, 
     while f"no Kafka broker reachable at {nowhere}" not in proc.output():
         assert time.monotonic() < deadline and proc.proc.poll() is None, proc.output()[-2000:]
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("workers", ["0", "-1", "two"])
+def test_serve_refuses_a_number_of_workers_that_is_none(capsys, config, workers):
+    with pytest.raises(SystemExit) as exit_:
+        run(capsys, ["serve", "--config", str(config), "--workers", workers])
+    assert exit_.value.code == 2
+    assert f"argument --workers: '{workers}' is not a number of worker processes" in capsys.readouterr().err
+
+
+def test_dashboards_build_into_a_place_it_cannot_write_says_so_in_one_line(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, _, err = run(capsys, ["dashboards", "build", "--out", str(blocker)])
+    assert code == 1
+    one_error_line(err, f"error: --out {blocker}: cannot write there")
