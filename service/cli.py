@@ -294,8 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=token_default)
     p.set_defaults(func=cmd_status)
 
+    helps = {"promote": "move a route's rollout one step on (shadow → first step → … → promoted)",
+             "pause": "freeze a route's rollout where it is", "resume": "let a paused rollout go on",
+             "rollback": "send all of a route's traffic back to the stable model"}
     for action in ("promote", "pause", "resume", "rollback"):
-        p = sub.add_parser(action, help=f"{action} a route's rollout")
+        p = sub.add_parser(action, help=helps[action])
         p.add_argument("route")
         p.add_argument("--segment", help="only this segment's rollout (rollout.scope: segment)")
         p.add_argument("--url", required=True)
