@@ -443,6 +443,8 @@ class ShadowWorker:
             if again_task is not None:
                 _noise_floor_ended(route, stable_key, again_task)
         records = [r for r in done if isinstance(r, EvaluationRecord)]
+        if records:  # one noise floor per request, whatever the candidates: counted once
+            _observe_noise_floor(route, stable_key, records[0])
         errors = [r for r in done if isinstance(r, BaseException) and not isinstance(r, OverBudget)]
         if errors and not records:
             raise errors[0]
@@ -544,27 +546,30 @@ class ShadowWorker:
         sim = record.similarity
         if sim.candidate_vs_stable is not None:
             metrics.shadow_similarity.labels(route, candidate_key, "candidate").observe(sim.candidate_vs_stable)
-        if sim.stable_vs_stable is not None:
-            metrics.shadow_similarity.labels(route, stable_key, "noise_floor").observe(sim.stable_vs_stable)
-        if verdicts is not None:
-            for comparison, model, verdict in (("candidate", candidate_key, verdicts.candidate),
-                                               ("noise_floor", stable_key, verdicts.noise_floor)):
-                if verdict is not None:
-                    result = verdict if verdict in ("win", "tie", "loss") else "error"
-                    metrics.shadow_judge_total.labels(route, model, comparison, result).inc()
+        if verdicts is not None and verdicts.candidate is not None:
+            result = verdicts.candidate if verdicts.candidate in ("win", "tie", "loss") else "error"
+            metrics.shadow_judge_total.labels(route, candidate_key, "candidate", result).inc()
         agree = record.agreement
         if agree.candidate_vs_stable is not None:
             metrics.shadow_agreement_total.labels(route, candidate_key, "candidate",
                                                   "agree" if agree.candidate_vs_stable else "disagree").inc()
-        if agree.stable_vs_stable is not None:
-            metrics.shadow_agreement_total.labels(route, stable_key, "noise_floor",
-                                                  "agree" if agree.stable_vs_stable else "disagree").inc()
         span = candidate.span
         for result in record.evaluations:
             outcome = "pass" if result.passed else "fail" if result.passed is False else "error"
             metrics.shadow_evaluations_total.labels(route, candidate_key, result.name, outcome).inc()
             if span is not None:
                 span.evaluation(result.name, result.score, result.passed, result.detail)
+
+
+def _observe_noise_floor(route: str, stable_key: str, record: EvaluationRecord) -> None:
+    """The noise floor's metrics: the stable model asked again, against the live answer."""
+    if record.similarity.stable_vs_stable is not None:
+        metrics.shadow_similarity.labels(route, stable_key, "noise_floor").observe(record.similarity.stable_vs_stable)
+    if record.judge.noise is not None or record.judge.noise_failed:
+        metrics.shadow_judge_total.labels(route, stable_key, "noise_floor", record.judge.noise or "error").inc()
+    if record.agreement.stable_vs_stable is not None:
+        metrics.shadow_agreement_total.labels(route, stable_key, "noise_floor",
+                                              "agree" if record.agreement.stable_vs_stable else "disagree").inc()
 
 
 async def run_workers(config: Config, bus: EventBus, providers: dict[str, Provider],

@@ -602,3 +602,31 @@ def test_the_spend_cap_slides_over_the_last_hour():
     assert cap.spent(ROUTE, now=3700.0) == pytest.approx(0.5)  # the first call is more than an hour old
     cap.check(ROUTE, now=3700.0)
     cap.check("no-candidate", now=3700.0)  # no cap on that route
+
+
+def test_the_noise_floor_is_counted_once_per_request_whatever_the_candidates(sim):
+    """With two candidates each request has two records but one noise floor (the stable model asked
+    again once): its similarity, agreement and judge series count it once."""
+    n = 6
+    cfg = make_config(sim.url, "same-model", judge={"model": "judge-m"}).model_dump(exclude_unset=True)
+    cfg["models"]["other-m"] = {"provider": "sim", "name": "new-model"}
+    cfg["routes"][ROUTE] = {**cfg["routes"][ROUTE], "candidate": None, "candidates": ["candidate-m", "other-m"],
+                            "rollout": {"scope": "segment"}}
+    config = parse_config(cfg)
+
+    def noise() -> tuple[float, float, float]:
+        return (value("modelcanary_shadow_similarity_count", route=ROUTE, model="stable-m", comparison="noise_floor"),
+                sum(value("modelcanary_shadow_agreement_total", route=ROUTE, model="stable-m", comparison="noise_floor",
+                          result=r) for r in ("agree", "disagree")),
+                sum(value("modelcanary_shadow_judge_total", route=ROUTE, model="stable-m", comparison="noise_floor",
+                          result=r) for r in ("win", "tie", "loss", "error")))
+
+    async def go():
+        events = await live_traffic(config, bodies(n, kinds=("chat",), tag="floor"), "floor")
+        before = noise()
+        records = await shadow(config, events, expect=2 * n)
+        return before, records
+
+    before, records = asyncio.run(go())
+    assert len(records) == 2 * n and {r.candidate_model for r in records} == {"candidate-m", "other-m"}
+    assert tuple(b - a for a, b in zip(before, noise())) == (n, n, n)

@@ -51,8 +51,8 @@ TEMPLATES = (
 )
 OPENERS = ("", "", "Sure. ", "In short, ", "Well, ")
 CONNECTORS = ("", "", "", "Also, ", "And ")
-MAX_FACTS = 256  # ~1,800 words: the longest answer
-WORDS_PER_FACT = 7  # a rendered fact is 6.5-7.4 words
+MAX_FACTS = 64
+WORDS_PER_FACT = 8
 _WORD = re.compile(r"[a-z]+")
 
 
