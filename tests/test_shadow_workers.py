@@ -502,6 +502,14 @@ def test_shadow_calls_use_the_providers_key_only(servers, monkeypatch):
     assert all(r.evaluations == [] and r.agreement.candidate_vs_stable is None for r in records)
 
 
+def dollar_a_token(sim_url: str, priced: tuple[str, ...], **shadow) -> Config:
+    """make_config with `priced` models at $1 per input token (exact from usage) and none per output one."""
+    cfg = make_config(sim_url, "same-model", **shadow).model_dump(exclude_unset=True)
+    for key in priced:
+        cfg["models"][key]["price"] = {"input_per_mtok": 1e6, "output_per_mtok": 0.0}
+    return parse_config(cfg)
+
+
 def test_every_shadow_call_spends_the_hourly_cap(sim, caplog):
     """Candidate, noise floor, LLM judge and stability calls all count against `max_usd_per_hour`, in
     the worker that makes them: the cap here would hold the candidate and noise-floor calls of every
@@ -509,14 +517,10 @@ def test_every_shadow_call_spends_the_hourly_cap(sim, caplog):
     from collectors.worker import ShadowWorker
 
     n = 8
-    per_token = {"input_per_mtok": 1e6, "output_per_mtok": 0.0}  # $1 per prompt token, exact from usage
 
     def config(cap: float | None) -> Config:
-        cfg = make_config(sim.url, "same-model", judge={"model": "judge-m"},
-                          stability={"sample_rate": 1.0, "k": 3}, max_usd_per_hour=cap).model_dump(exclude_unset=True)
-        for key in ("stable-m", "candidate-m", "judge-m"):
-            cfg["models"][key]["price"] = per_token
-        return parse_config(cfg)
+        return dollar_a_token(sim.url, ("stable-m", "candidate-m", "judge-m"), judge={"model": "judge-m"},
+                              stability={"sample_rate": 1.0, "k": 3}, max_usd_per_hour=cap)
 
     async def go():
         events = await live_traffic(config(None), bodies(n, kinds=("chat",), tag="spend"), "spend")
@@ -558,14 +562,10 @@ def test_embeddings_calls_spend_the_hourly_cap(sim):
     from collectors.worker import ShadowWorker
 
     n = 6
-    per_token = {"input_per_mtok": 1e6, "output_per_mtok": 0.0}  # $1 per input token
 
     def config(cap: float | None) -> Config:
-        cfg = make_config(sim.url, "same-model", similarity={"backend": "model", "model": "embed-m"},
-                          max_usd_per_hour=cap).model_dump(exclude_unset=True)
-        for key in ("stable-m", "candidate-m", "embed-m"):
-            cfg["models"][key]["price"] = per_token
-        return parse_config(cfg)
+        return dollar_a_token(sim.url, ("stable-m", "candidate-m", "embed-m"),
+                              similarity={"backend": "model", "model": "embed-m"}, max_usd_per_hour=cap)
 
     async def go():
         events = await live_traffic(config(None), bodies(n, kinds=("chat",), tag="embed-spend"), "embed-spend")
