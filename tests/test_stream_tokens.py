@@ -112,12 +112,12 @@ def test_a_stream_longer_than_its_capture_is_judged_on_whole_events(servers):
     assert done == 1 and metric_value(text, "modelcanary_failures_total", model="stable-m") == 0
 
 
-def wait_recorded(url: str, model: str) -> str:
-    """The metrics once one request of `model` is recorded."""
+def wait_recorded(url: str, model: str, metric: str = "modelcanary_requests_total") -> str:
+    """The metrics once one request of `model` is counted in `metric` (at most 10 s)."""
     deadline = time.monotonic() + 10
     while True:
         text = scrape(url)
-        if metric_value(text, "modelcanary_requests_total", model=model) >= 1 or time.monotonic() > deadline:
+        if metric_value(text, metric, model=model) >= 1 or time.monotonic() > deadline:
             return text
         time.sleep(0.05)
 
@@ -224,12 +224,7 @@ def start_proxy(servers, url: str, api: str):
 
 def wait_failed(url: str, model: str) -> str:
     """The metrics once a failure of `model` is recorded."""
-    deadline = time.monotonic() + 10
-    while True:
-        text = scrape(url)
-        if metric_value(text, "modelcanary_failures_total", model=model) >= 1 or time.monotonic() > deadline:
-            return text
-        time.sleep(0.05)
+    return wait_recorded(url, model, "modelcanary_failures_total")
 
 
 async def leave_at_the_head(url: str, body: dict) -> None:
