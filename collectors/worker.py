@@ -525,7 +525,7 @@ class ShadowWorker:
             record.stable_again = CandidateResult(
                 outcome=sv.outcome, cause=sv.cause, blame=sv.blame, latency_s=stable_again.latency_s,
                 usage=stable_again.usage, cost_usd=stable_again.cost_usd)
-        self._observe(route, candidate_key, stable_key, record, candidate, verdicts)
+        self._observe(route, candidate_key, record, candidate, verdicts)
         return record
 
     async def _run_one(self, evaluator: Evaluator, ctx: EvalContext) -> EvaluationResult:
@@ -540,8 +540,8 @@ class ShadowWorker:
             return EvaluationResult(name=evaluator.name, version=evaluator.version, passed=None,
                                     detail=f"evaluator error: {type(e).__name__}")
 
-    def _observe(self, route: str, candidate_key: str, stable_key: str, record: EvaluationRecord,
-                 candidate: ShadowCall, verdicts: Verdicts | None) -> None:
+    def _observe(self, route: str, candidate_key: str, record: EvaluationRecord, candidate: ShadowCall,
+                 verdicts: Verdicts | None) -> None:
         metrics.shadow_requests_total.labels(route, candidate_key, record.candidate.outcome).inc()
         sim = record.similarity
         if sim.candidate_vs_stable is not None:

@@ -450,8 +450,9 @@ class Proxy:
         call = Call(request_id=request_id, route=route or key, model_key=model_key, role="stable", segment=PASSTHROUGH_SEGMENT,
                     started=started, request=None, stream=body is not None and body.get("stream") is True,
                     traceparent=request.headers.get("traceparent"))
+        endpoint = path.split("/", 1)[0]
         up_headers = self.upstream_headers(call, model, provider, request.headers,
-                                           operation=PASSTHROUGH_OPERATIONS.get(path.split("/", 1)[0], path.split("/", 1)[0]))
+                                           operation=PASSTHROUGH_OPERATIONS.get(endpoint, endpoint))
         up_headers["Content-Type"] = request.headers.get("content-type", "application/json")  # a file upload's too
         qs = ("?" + request.url.query) if request.url.query else ""
         self._start(call)
