@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from collectors.evaluators import default_evaluators
 from collectors.evaluators.agreement import measure
-from collectors.evaluators.base import EvalContext, Evaluator, ShadowCall
+from collectors.evaluators.base import EvalContext, Evaluator, ShadowCall, StableSide
 from collectors.evaluators.llm_judge import Verdicts, repro_params
 from collectors.similarity import repro as similarity_repro
 from collectors.similarity.configured import RouteEmbedders
@@ -436,10 +436,12 @@ class ShadowWorker:
             self.client.call(route, stable_key, event.request, link_traceparent=event.traceparent,
                              client_headers=event.headers)
         ) if rc.shadow.noise_floor else None
+        stable_side = StableSide(RecordCaller(self.client, event.traceparent, None, event.headers))
         try:
-            done = await asyncio.gather(*(self._one(event, key, stable_key, again_task) for key in rc.candidates),
-                                        return_exceptions=True)
+            done = await asyncio.gather(*(self._one(event, key, stable_key, again_task, stable_side)
+                                          for key in rc.candidates), return_exceptions=True)
         finally:
+            stable_side.close()
             if again_task is not None:
                 _noise_floor_ended(route, stable_key, again_task)
         records = [r for r in done if isinstance(r, EvaluationRecord)]
@@ -458,20 +460,20 @@ class ShadowWorker:
         return records
 
     async def _one(self, event: TrafficEvent, candidate_key: str, stable_key: str,
-                   again_task: asyncio.Future | None) -> EvaluationRecord:
+                   again_task: asyncio.Future | None, stable_side: StableSide) -> EvaluationRecord:
         request = event.request
         candidate: ShadowCall | None = None
         try:
             candidate = await self.client.call(event.route, candidate_key, request, link_traceparent=event.traceparent,
                                                finish_span=False, share=candidate_key, client_headers=event.headers)
             stable_again = await asyncio.shield(again_task) if again_task is not None else None
-            return await self._score(event, stable_key, candidate, stable_again)
+            return await self._score(event, stable_key, candidate, stable_again, stable_side)
         finally:
             if candidate is not None:  # after the evaluations were added to its span
                 end_span(candidate, request, self.client.format_of(candidate_key, request))
 
     async def _score(self, event: TrafficEvent, stable_key: str, candidate: ShadowCall,
-                     stable_again: ShadowCall | None) -> EvaluationRecord:
+                     stable_again: ShadowCall | None, stable_side: StableSide) -> EvaluationRecord:
         config = self.config
         route = event.route
         rc = config.routes[route]
@@ -483,7 +485,7 @@ class ShadowWorker:
                               event.headers)
         ctx = EvalContext(config=config, route=route, route_cfg=rc, event=event, request=request, view=fmt.view(request),
                           live=live, candidate=candidate, stable_again=stable_again,
-                          caller=caller, embedder=self.embedders.for_route(route, rc))
+                          caller=caller, stable_side=stable_side, embedder=self.embedders.for_route(route, rc))
         measured = await measure(ctx)
         chosen = [e for e in self.evaluators if e.selected(ctx)]
         evaluations = [await self._run_one(e, ctx) for e in chosen]  # the slow ones (judge, stability) are rare

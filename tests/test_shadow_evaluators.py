@@ -14,7 +14,7 @@ import pytest
 
 from collectors.evaluators import AgreementEvaluator, JudgeEvaluator, StabilityEvaluator, VerifiersEvaluator
 from collectors.evaluators.agreement import measure
-from collectors.evaluators.base import EvalContext, ShadowCall
+from collectors.evaluators.base import EvalContext, ShadowCall, StableSide
 from collectors.evaluators.llm_judge import (
     PROMPT_VERSION,
     VERDICT_SCHEMA,
@@ -108,6 +108,7 @@ class RuleJudge:
 
 def context(candidate: dict | None, verdict=COMPLETED, live: dict | None = None, again: dict | None = None,
             caller=None, request: dict | None = None, view: dict | None = None) -> EvalContext:
+    caller = caller or ScriptedCaller([])
     request = request or {"model": "r", "messages": [{"role": "user", "content": "hi"}]}
     event = TrafficEvent(request_id="rid-1", ts=time.time(), route="r", segment="chat", request=request,
                          primary=PrimaryResult(model="s", status=200, body=live, latency_s=0.1, outcome="completed"),
@@ -115,7 +116,7 @@ def context(candidate: dict | None, verdict=COMPLETED, live: dict | None = None,
     return EvalContext(config=CONFIG, route="r", route_cfg=CONFIG.routes["r"], event=event, request=request,
                        view=request if view is None else view, live=live, candidate=ShadowCall("c", verdict, response=candidate),
                        stable_again=ShadowCall("s", COMPLETED, response=again) if again is not None else None,
-                       caller=caller or ScriptedCaller([]), embedder=local_embedder())
+                       caller=caller, stable_side=StableSide(caller), embedder=local_embedder())
 
 
 def run(coro):

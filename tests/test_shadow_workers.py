@@ -630,3 +630,41 @@ def test_the_noise_floor_is_counted_once_per_request_whatever_the_candidates(sim
     before, records = asyncio.run(go())
     assert len(records) == 2 * n and {r.candidate_model for r in records} == {"candidate-m", "other-m"}
     assert tuple(b - a for a, b in zip(before, noise())) == (n, n, n)
+
+
+def test_the_stable_side_is_asked_once_per_request_whatever_the_candidates(sim, monkeypatch):
+    """With two candidates, the judge's noise floor (stable-again against live) and the stable model's
+    stability answers are made once per request and shared by both records: the stable model and
+    the judge are not paid twice for the same question."""
+    n, k = 4, 3
+    cfg = make_config(sim.url, "same-model", judge={"model": "judge-m"},
+                      stability={"sample_rate": 1.0, "k": k}).model_dump(exclude_unset=True)
+    cfg["models"]["other-m"] = {"provider": "sim", "name": "far-model"}
+    cfg["routes"][ROUTE] = {**cfg["routes"][ROUTE], "candidate": None, "candidates": ["candidate-m", "other-m"],
+                            "rollout": {"scope": "segment"}}
+    config = parse_config(cfg)
+    asked: list[str] = []
+    real_call = ShadowClient.call
+
+    async def counted(self, route, model_key, body, *args, **kwargs):
+        asked.append(model_key)
+        return await real_call(self, route, model_key, body, *args, **kwargs)
+
+    async def go():
+        events = await live_traffic(config, bodies(n, kinds=("chat",), tag="side"), "side")
+        monkeypatch.setattr(ShadowClient, "call", counted)
+        return await shadow(config, events, expect=2 * n)
+
+    records = asyncio.run(go())
+    assert len(records) == 2 * n
+    # per request: the stable model again (1) and for stability k - 2 more (live and again count);
+    # each candidate 1 + (k - 1); the judge 2 orders for each candidate and 2 for the noise floor
+    assert {m: asked.count(m) for m in set(asked)} == {
+        "stable-m": n * (1 + k - 2), "candidate-m": n * k, "other-m": n * k, "judge-m": n * 2 * 3}
+    by_request: dict[str, list[EvaluationRecord]] = {}
+    for r in records:
+        by_request.setdefault(r.request_id, []).append(r)
+    for pair in by_request.values():
+        assert len(pair) == 2
+        assert pair[0].judge.noise == pair[1].judge.noise is not None
+        assert pair[0].stability.stable == pair[1].stability.stable is not None

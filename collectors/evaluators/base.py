@@ -9,8 +9,10 @@ deterministically by request id, so a replayed record gets the same evaluators).
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from collectors.similarity import Embedder
 from service.config import Checks, Config, RouteConfig
@@ -53,6 +55,28 @@ class Caller(Protocol):
         instead of calling when the route's `shadow.max_usd_per_hour` is spent."""
 
 
+class StableSide:
+    """The stable model's side of one request, shared by the records of its candidates: work on it
+    (the judge's noise floor, the stable model's stability answers) is done once, whatever the
+    number of candidates, and paid from the route's budget, not from a candidate's share."""
+
+    def __init__(self, caller: Caller):
+        self.caller = caller
+        self._work: dict[str, asyncio.Future[Any]] = {}
+
+    async def once(self, name: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        """`work()`'s result, the first caller starting it; one record leaving does not cancel it."""
+        task = self._work.get(name)
+        if task is None:
+            task = self._work[name] = asyncio.ensure_future(work())
+        return await asyncio.shield(task)
+
+    def close(self) -> None:
+        """Cancel what no record waits for any more."""
+        for task in self._work.values():
+            task.cancel()
+
+
 @dataclass(slots=True)
 class EvalContext:
     config: Config
@@ -65,6 +89,7 @@ class EvalContext:
     candidate: ShadowCall
     stable_again: ShadowCall | None
     caller: Caller
+    stable_side: StableSide
     embedder: Embedder              # the route's `shadow.similarity` backend
     extra: dict = field(default_factory=dict)
 

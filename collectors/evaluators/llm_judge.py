@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from collectors.evaluators.base import EvalContext, sampled
+from collectors.evaluators.base import Caller, EvalContext, sampled
 from service.config import Checks, JudgeModelConfig
 from service.proxy.verifiers import fits_schema
 from service.records import EvaluationResult, JudgeResult, PairwiseJudgement
@@ -155,19 +155,20 @@ class JudgeEvaluator:
         return (judge is not None and ctx.candidate.answered and ctx.live is not None
                 and sampled("judge", ctx.request_id, judge.sample_rate))
 
-    async def _one_order(self, ctx: EvalContext, judge: JudgeModelConfig, a: dict | None, b: dict | None) -> str:
-        call = await ctx.caller.call(ctx.route, judge.model, pairwise_request(judge.rubric, ctx.view, a, b),
-                                     checks=Checks())
+    async def _one_order(self, ctx: EvalContext, caller: Caller, judge: JudgeModelConfig, a: dict | None,
+                         b: dict | None) -> str:
+        call = await caller.call(ctx.route, judge.model, pairwise_request(judge.rubric, ctx.view, a, b),
+                                 checks=Checks())
         if call.response is None:
             raise MalformedVerdict(f"judge call failed: {call.verdict.cause}")
         return parse_verdict(call.response)
 
-    async def compare(self, ctx: EvalContext, judge: JudgeModelConfig, reference: dict | None,
+    async def compare(self, ctx: EvalContext, caller: Caller, judge: JudgeModelConfig, reference: dict | None,
                       other: dict | None) -> JudgeResult | str:
         """`other` against `reference`, in both orders: win / tie / loss for `other`, or the problem."""
         try:
-            first, second = await asyncio.gather(self._one_order(ctx, judge, reference, other),
-                                                 self._one_order(ctx, judge, other, reference))
+            first, second = await asyncio.gather(self._one_order(ctx, caller, judge, reference, other),
+                                                 self._one_order(ctx, caller, judge, other, reference))
         except MalformedVerdict as e:
             text = str(e)
             return text if text.startswith("judge call failed") else f"malformed judge answer: {text}"
@@ -182,9 +183,10 @@ class JudgeEvaluator:
         assert judge is not None
         live = shown_answer(ctx.live)
         again = ctx.stable_again.response if ctx.stable_again is not None else None
-        pending = [self.compare(ctx, judge, live, shown_answer(ctx.candidate.response))]
-        if again is not None:
-            pending.append(self.compare(ctx, judge, live, shown_answer(again)))
+        pending = [self.compare(ctx, ctx.caller, judge, live, shown_answer(ctx.candidate.response))]
+        if again is not None:  # the noise floor: once per request, whatever the candidates
+            side = ctx.stable_side
+            pending.append(side.once("judge", lambda: self.compare(ctx, side.caller, judge, live, shown_answer(again))))
         outcomes = await asyncio.gather(*pending)
         verdicts = Verdicts(outcomes[0], outcomes[1] if again is not None else None)
         ctx.extra["judge"] = verdicts

@@ -34,18 +34,22 @@ class StabilityEvaluator:
         return ctx.candidate.answered and (ctx.live is not None or not self.count_live) \
             and sampled("stability", ctx.request_id, cfg.sample_rate)
 
-    async def evaluate(self, ctx: EvalContext) -> EvaluationResult:
-        k = ctx.route_cfg.shadow.stability.k
-        candidate = ctx.candidate.model  # the candidate of this record (a route may have several)
+    async def _stable_answers(self, ctx: EvalContext, k: int) -> list[dict | None]:
         stable = [ctx.live] if self.count_live and ctx.live is not None else []
         if ctx.stable_again is not None and ctx.stable_again.answered:
             stable.append(ctx.stable_again.response)
-        asks = [(candidate, k - 1), (ctx.stable_model, k - len(stable))]
-        calls = await asyncio.gather(*(ctx.caller.call(ctx.route, key, ctx.request)
-                                       for key, n in asks for _ in range(n)))
+        calls = await asyncio.gather(*(ctx.stable_side.caller.call(ctx.route, ctx.stable_model, ctx.request)
+                                       for _ in range(k - len(stable))))
+        return stable + [c.response for c in calls]
+
+    async def evaluate(self, ctx: EvalContext) -> EvaluationResult:
+        k = ctx.route_cfg.shadow.stability.k
+        candidate = ctx.candidate.model  # the candidate of this record (a route may have several)
+        calls, stable = await asyncio.gather(  # the stable side once per request, whatever the candidates
+            asyncio.gather(*(ctx.caller.call(ctx.route, candidate, ctx.request) for _ in range(k - 1))),
+            ctx.stable_side.once("stability", lambda: self._stable_answers(ctx, k)))
         as_json = wants_json(ctx.view)
-        replies = {"candidate": [ctx.candidate.response] + [c.response for c in calls[:k - 1]],
-                   "stable": stable + [c.response for c in calls[k - 1:]]}
+        replies = {"candidate": [ctx.candidate.response] + [c.response for c in calls], "stable": stable}
         scores: dict[str, float | None] = {}
         try:
             for side, responses in replies.items():
