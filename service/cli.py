@@ -122,10 +122,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("error: --workers > 1 needs events.backend: kafka (each worker follows the rollouts topic); "
               "memory mode is one process", file=sys.stderr)
         return 1
+    from service.proxy.server import GuardedHttpToolsProtocol, listening_socket  # httptools with head limits
+
+    try:
+        sock = listening_socket(host, port)
+    except OSError as e:  # one line naming where the address came from, before anything starts
+        where = f"{'--host' if args.host else 'server.host'} {host}, {'--port' if args.port is not None else 'server.port'} {port}"
+        print(f"error: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
+        return STARTUP_FAILURE
     _logging()
     for note in config_notes(config):
         log.warning(note)
-    from service.proxy.server import GuardedHttpToolsProtocol  # httptools with head size and time limits
 
     common = dict(host=host, port=port, log_level="warning", access_log=False, loop="uvloop",
                   http=GuardedHttpToolsProtocol,
@@ -135,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ["MODELCANARY_CONFIG"] = os.path.abspath(args.config)
         os.environ["MODELCANARY_WORKERS"] = str(workers)
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="modelcanary-metrics-"))
+        sock.close()  # uvicorn's supervisor binds it again for its workers
         uvicorn.run(args.wiring.WORKER_FACTORY, factory=True, workers=workers, **common)
         return 0
     from service.proxy.server import DrainingServer
@@ -142,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = args.wiring.create_app(config, os.path.abspath(args.config))
     server = DrainingServer(uvicorn.Config(app, **common), app.state.runtime)
     tune_gc()
-    server.run()
+    server.run(sockets=[sock])
     return 0
 
 

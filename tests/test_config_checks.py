@@ -224,6 +224,25 @@ def test_simulate_on_a_port_in_use_says_so_in_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("ERROR:") and "[Errno 98]" in lines[0], result.stderr
 
 
+def test_serve_on_an_address_it_cannot_have_says_so_in_one_line_before_starting_anything(tmp_path):
+    """Named by where it came from (the flag or `server.host`/`server.port`), exit 3, and no shadow
+    child or controller started on the way."""
+    result = run(tmp_path, "serve", "--config", "{config}", "--host", "no-such-host.invalid", "--port", "0",
+                 config=base(state_dir=str(tmp_path / "state")), timeout=30)
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.strip() == ("error: cannot listen on --host no-such-host.invalid, --port 0: "
+                                     "Name or service not known"), result.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(tmp_path, "serve", "--config", "{config}", timeout=30, config=base(
+            state_dir=str(tmp_path / "state"), server={"host": "127.0.0.1", "port": port}))
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.strip() == f"error: cannot listen on server.host 127.0.0.1, server.port {port}: " \
+                                    "Address already in use", result.stderr
+
+
 # ---- 5. URLs that can't be called, and values that must not be shown ---------------------------------
 
 

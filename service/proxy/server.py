@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -258,3 +259,18 @@ class DrainingServer(uvicorn.Server):
                 self.config.timeout_graceful_shutdown = 0.1  # type: ignore[assignment]  # seconds; annotated int
                 self.should_exit = True
         return await super().on_tick(counter)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The proxy's socket, bound before the app starts (as uvicorn's `Config.bind_socket`, without
+    its `sys.exit`): an address that can't be had fails before the shadow child or controller start."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
