@@ -27,8 +27,9 @@ from tests.fixtures.servers import (
 
 TOKEN = "formats-admin-token"
 ENV = {"MODELCANARY_ADMIN_TOKEN": TOKEN, "OPENAI_AGENTS_DISABLE_TRACING": "1"}
-ROUTES_OPENAI = ("resp-plain", "resp-stream", "resp-tools", "resp-split", "resp-stateful", "agents", "langchain")
-ROUTES_ANTHROPIC = ("claude-plain", "claude-stream", "claude-cache")
+ROUTES_OPENAI = ("resp-plain", "resp-stream", "resp-tools", "resp-split", "resp-stateful", "resp-container", "agents",
+                 "langchain")
+ROUTES_ANTHROPIC = ("claude-plain", "claude-stream", "claude-cache", "claude-container")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
                     "parameters": WEATHER}]
@@ -197,6 +198,84 @@ def test_a_request_on_upstream_state_is_never_shadowed(stack):
     assert _metric(proxy, "modelcanary_shadow_requests_total", route="resp-stateful", model="candidate-m") == \
         shadowed + 1
     assert _metric(proxy, "modelcanary_requests_total", route="resp-stateful", outcome="completed") == 3
+
+
+@pytest.fixture(scope="module")
+def two_upstreams(tmp_path_factory):
+    """Stable and candidate on simulators of their own, so a stored response exists on one only: a
+    call that reaches the other upstream is answered 404 (fetch, delete) or 400 (follow-up)."""
+    tmp = tmp_path_factory.mktemp("owners")
+    sims = [start_simulator(tmp, sim_config(), name) for name in ("sim-a", "sim-b")]
+    cfg = proxy_config(sims[0].url)
+    cfg["providers"]["sim-b"] = {**cfg["providers"]["sim"], "base_url": sims[1].url + "/v1"}
+    cfg["models"]["candidate-m"]["provider"] = "sim-b"
+    cfg["models"]["other-m"] = {"provider": "sim", "name": "far-model"}
+    cfg["routes"] = {"split": _route("stable-m", "candidate-m"), "split-too": _route("stable-m", "other-m"),
+                     "solo": {"stable": "stable-m"}}
+    proxy = start_proxy(tmp, cfg, env=ENV)
+    _admin_promote(proxy, "split")  # 50 % of live traffic to the candidate
+    client = _openai(proxy)
+    served: dict[str, str] = {}
+    while list(served.values()).count("candidate-m") < 2 or "stable-m" not in served.values():
+        raw = client.responses.with_raw_response.create(model="split", input=f"question {len(served)}")
+        served[raw.parse().id] = raw.headers["x-modelcanary-model"]
+    yield proxy, served
+    proxy.stop()
+    for sim in sims:
+        sim.stop()
+
+
+def test_a_stored_response_is_fetched_and_deleted_at_the_model_that_stored_it(two_upstreams):
+    proxy, served = two_upstreams
+    client = _openai(proxy)
+    for response_id, model in served.items():
+        # no `model` to name a route: the owner's route is known, as is its model
+        raw = client.responses.with_raw_response.retrieve(response_id)
+        assert raw.parse().id == response_id
+        _assert_roles(raw.headers, "split", model, "stable" if model == "stable-m" else "canary")
+    response_id, model = next((r, m) for r, m in served.items() if m == "candidate-m")
+    raw = client.responses.with_raw_response.delete(response_id)
+    assert raw.http_response.status_code == 200 and raw.headers["x-modelcanary-model"] == "candidate-m"
+    with pytest.raises(openai.NotFoundError):  # deleted where it was stored
+        client.responses.retrieve(response_id)
+    assert _wait_for(lambda: _metric(proxy, "modelcanary_requests_total", route="split", model="candidate-m",
+                                     role="canary", segment="other", outcome="completed")
+                     == list(served.values()).count("candidate-m") + 1)  # the fetches and the delete
+
+
+def test_a_response_id_does_not_take_a_request_off_its_route(two_upstreams):
+    """A follow-up on another route goes where that route sends it: its one model (which does not
+    hold the id, so the upstream's 400), or the 409 when the route has several."""
+    proxy, served = two_upstreams
+    client = _openai(proxy)
+    response_id = next(r for r, m in reversed(served.items()) if m == "candidate-m")  # not the one deleted above
+    with pytest.raises(openai.BadRequestError) as other:
+        client.responses.with_raw_response.create(model="solo", previous_response_id=response_id, input="and?")
+    assert other.value.response.headers["x-modelcanary-model"] == "stable-m"
+    assert other.value.code == "previous_response_not_found"
+    with pytest.raises(openai.ConflictError) as conflict:
+        client.responses.create(model="split-too", previous_response_id=response_id, input="and?")
+    assert "was answered on route 'split', not 'split-too'" in conflict.value.message
+    assert conflict.value.body["param"] == "previous_response_id"
+    assert _metric(proxy, "modelcanary_requests_total", route="solo", model="candidate-m") == 0
+
+
+def test_a_request_that_runs_in_the_clients_container_is_never_shadowed(stack):
+    """A shadow call would run code in the client's own container (Responses `tools[].container`,
+    Messages `container`): served as usual, never shadowed."""
+    _, proxy = stack
+    before = _metric(proxy, "modelcanary_shadow_dropped_total", route="resp-container", reason="stateful")
+    tools = [{"type": "code_interpreter", "container": "cntr_client_own"}, *RESPONSES_TOOLS]
+    raw = _openai(proxy).responses.with_raw_response.create(model="resp-container", input="run it", tools=tools)
+    assert raw.http_response.status_code == 200
+    assert _wait_for(lambda: _metric(proxy, "modelcanary_shadow_dropped_total", route="resp-container",
+                                     reason="stateful") == before + 1)
+    before = _metric(proxy, "modelcanary_shadow_dropped_total", route="claude-container", reason="stateful")
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-client", max_retries=0)
+    client.messages.create(model="claude-container", max_tokens=50, messages=[{"role": "user", "content": "run it"}],
+                           extra_body={"container": "container_client_own"})
+    assert _wait_for(lambda: _metric(proxy, "modelcanary_shadow_dropped_total", route="claude-container",
+                                     reason="stateful") == before + 1)
 
 
 # ---- OpenAI Agents SDK (its default model is the Responses API) ------------------------------------

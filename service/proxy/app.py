@@ -337,6 +337,8 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
     async def passthrough(request: Request, path: str) -> Response:
         if path == "feedback":  # the proxy's own endpoint, never an upstream's: POST only
             return openai_error(405, "Method Not Allowed", headers={"Allow": "POST"})
+        if path.startswith("responses/"):  # a stored response's own endpoints: to the model that stored it
+            return await proxy.passthrough(request, path, await runtime.responses.owner(path.split("/", 2)[1]))
         return await proxy.passthrough(request, path)
 
     @app.exception_handler(StarletteHTTPException)

@@ -20,13 +20,14 @@ from service.config import Checks, Config, ModelConfig
 from service.errors import ErrorResponse, openai_error
 from service.proxy.native import OnLeave, on_leave_in_scope
 from service.proxy.outcome import COMPLETED, Verdict, classify_chat, failed
+from service.proxy.owners import Owner
 from service.proxy.recorder import Call, Recorder
 from service.proxy.retries import RetryDetector
 from service.proxy.routing import pick
 from service.proxy.segments import classify_segment
 from service.proxy.sse import chat_has_output, reassemble
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
-from service.records import PASSTHROUGH_SEGMENT
+from service.records import PASSTHROUGH_SEGMENT, Role
 from service.rollout.book import RolloutBook
 from service.upstream.base import Provider, UpstreamReply
 from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields, json_object
@@ -422,7 +423,9 @@ class Proxy:
         self.recorder.add(call)
 
     # ---- other OpenAI endpoints ------------------------------------------------------------
-    async def passthrough(self, request: Request, path: str) -> Response:
+    async def passthrough(self, request: Request, path: str, owner: Owner | None = None) -> Response:
+        """Any other `/v1/` endpoint, to the route's stable model; a stored response's own endpoints
+        (`responses/{id}…`) to the model that stored it (`owner`), when known and on the route."""
         started = time.perf_counter()
         request_id = os.urandom(12).hex()
         if self.draining:
@@ -431,13 +434,7 @@ class Proxy:
             raw = await self.read_body(request) if request.method in ("POST", "PUT", "PATCH") else b""
             body = self.parse_json(raw) if raw and "json" in request.headers.get("content-type", "json") else None
             name = body.get("model") if body else request.query_params.get("model")
-            if name is None:
-                if len(self.config.routes) != 1:
-                    raise BadRequest(400, "name a route in 'model' so the proxy knows which provider to use",
-                                     param="model")
-                name = next(iter(self.config.routes))
-            key, route = self.resolve(name, request.headers)
-            model_key = self.config.routes[route].stable if route else key
+            key, route, model_key, role = self._passthrough_target(name, request.headers, owner)
             model = self.config.models[model_key]
             if body is not None:
                 body["model"] = model.name
@@ -447,7 +444,7 @@ class Proxy:
         except ClientDisconnect:
             return Response(status_code=499)
         provider = self.providers[model.provider]
-        call = Call(request_id=request_id, route=route or key, model_key=model_key, role="stable", segment=PASSTHROUGH_SEGMENT,
+        call = Call(request_id=request_id, route=route or key, model_key=model_key, role=role, segment=PASSTHROUGH_SEGMENT,
                     started=started, request=None, stream=body is not None and body.get("stream") is True,
                     traceparent=request.headers.get("traceparent"))
         endpoint = path.split("/", 1)[0]
@@ -464,6 +461,25 @@ class Proxy:
             return StreamRelay(call, sent, partial(self._classify_stream, call, None), None, self._done).response(
                 self._headers(call, sent) | SSE_HEADERS, media_type=sent.headers.get("content-type", "text/event-stream"))
         return self.respond(partial(client_gone, request.receive), call, self._passed_through(call, sent))
+
+    def _passthrough_target(self, name: object, headers: Mapping[str, str],
+                            owner: Owner | None) -> tuple[str, str | None, str, Role]:
+        """(name's key, route, model key, role) of a passed-through call: the route's stable model, or
+        the stored response's owner when it is one of the route's."""
+        if name is None and owner is not None:
+            name = owner.route
+        if name is None:
+            if len(self.config.routes) != 1:
+                raise BadRequest(400, "name a route in 'model' so the proxy knows which provider to use",
+                                 param="model")
+            name = next(iter(self.config.routes))
+        key, route = self.resolve(name, headers)
+        if not route:
+            return key, route, key, "stable"
+        rc = self.config.routes[route]
+        if owner is not None and owner.serves(route, rc) and owner.model in self.config.models:
+            return key, route, owner.model, "stable" if owner.model == rc.stable else "canary"
+        return key, route, rc.stable, "stable"
 
     def _passed_through(self, call: Call, reply: UpstreamReply) -> Response:
         """A passed-through endpoint's whole answer, judged by its status (an error's by its body too)."""

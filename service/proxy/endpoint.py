@@ -6,8 +6,11 @@ client-retry detection, the retry budget, in-flight accounting, role headers and
 Stateful follow-ups (Responses API): a request naming `previous_response_id` goes to the model that
 stored that response (ResponseOwners), or gets a 409 naming the field when no replica remembers it;
 one naming a `conversation` goes to the route's stable model, where `POST /v1/conversations`
-(passed through) created it; a `background` one is routed as usual (its answer is fetched later by
-id, like a stored response). Such requests are never shadowed (`reason=stateful`).
+(passed through) created it; a `background` one, or one whose tools run in a container the client
+already has (Responses `tools[].container`, Messages `container`), is routed as usual (a background
+answer is fetched later by id, like a stored response). Such requests are never shadowed
+(`reason=stateful`). Fetching, cancelling or deleting a stored response (`/v1/responses/{id}…`,
+passed through) goes to the model that stored it, as a follow-up does.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from service.proxy.formats import ApiFormat
 from service.proxy.formats.base import untold_usage
 from service.proxy.native import on_leave_in_scope
 from service.proxy.outcome import COMPLETED, Verdict, failed
-from service.proxy.owners import ResponseOwners
+from service.proxy.owners import Owner, ResponseOwners
 from service.proxy.recorder import Call
 from service.proxy.routing import pick
 from service.proxy.segments import classify_segment
@@ -112,13 +115,17 @@ class FormatEndpoint:
             answer = proxy.unjudged(call, fmt.error_response)
         return proxy.respond(partial(client_gone, request.receive), call, answer)
 
+    async def owner(self, response_id: str) -> Owner | None:
+        """Who stored a response, waited for while another replica's outcome may still name it."""
+        return await self.owners.wait(response_id, self.owner_wait_s)
+
     async def _pick(self, name: str, route: str | None, body: dict, session_key: str | None,
                     stateful: str | None, segment: str) -> tuple[str, Role]:
         """(model key, role): by the split, unless the request refers to state one model holds."""
         if route is None:
             return name, "stable"
         rc = self.proxy.config.routes[route]
-        if stateful in (None, "background") or (stateful == "conversation" and rc.candidate is None):
+        if stateful in (None, "background", "container") or (stateful == "conversation" and rc.candidate is None):
             return pick(route, self.proxy.book.routing[route], session_key, segment)
         if stateful == "conversation":
             return rc.stable, "stable"
@@ -127,14 +134,16 @@ class FormatEndpoint:
         # waited for while another replica's outcome may still name it
         waits = rc.candidate is not None or self.owners.learning
         owner = await self.owners.wait(response_id, self.owner_wait_s if waits else 0.0)
-        if owner is None and rc.candidate is None:  # one model: the one that stored what the route answered
+        elsewhere = owner is not None and not owner.serves(route, rc)
+        if (owner is None or elsewhere) and rc.candidate is None:  # one model: the one that stored what the route answered
             return pick(route, self.proxy.book.routing[route], session_key, segment)
-        if owner is None or owner not in self.proxy.config.models:
-            raise BadRequest(409, f"previous_response_id '{response_id[:100]}' was not answered through this "
-                             f"proxy lately, so which of route '{route}''s models stores it is unknown; send the "
-                             "conversation in 'input' instead", param="previous_response_id",
-                             code="previous_response_unknown")
-        return owner, "stable" if owner == rc.stable else "canary"
+        if owner is None or elsewhere or owner.model not in self.proxy.config.models:
+            known = (f"was answered on route '{owner.route}', not '{route}'" if elsewhere and owner is not None else
+                     f"was not answered through this proxy lately, so which of route '{route}''s models stores it "
+                     "is unknown")
+            raise BadRequest(409, f"previous_response_id '{response_id[:100]}' {known}; send the conversation in "
+                             "'input' instead", param="previous_response_id", code="previous_response_unknown")
+        return owner.model, "stable" if owner.model == rc.stable else "canary"
 
     def _plain(self, call: Call, reply: UpstreamReply, view: dict) -> Response:
         proxy, error = self.proxy, self.fmt.error_response
@@ -165,7 +174,7 @@ class FormatEndpoint:
         response_id = fmt.response_id(response)
         if response_id is not None:
             call.response_id = response_id
-            self.owners.remember(response_id, call.model_key)
+            self.owners.remember(response_id, call.route, call.model_key)
         if call.span is not None:
             call.chat = fmt.chat_view(response)
             call.finish_reasons = [c["finish_reason"] for c in (call.chat or {}).get("choices") or ()

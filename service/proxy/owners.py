@@ -1,12 +1,15 @@
-"""Which model stored a Responses-API answer, so that a follow-up naming it (`previous_response_id`)
-goes to that model whatever the split says. Bounded: the oldest ids are forgotten first. In Kafka
-mode every replica learns the ids the others served from the `response_id` of their outcomes."""
+"""Which model stored a Responses-API answer, on which route, so that a follow-up naming it
+(`previous_response_id`), and fetching, cancelling or deleting it by id, go to that model whatever
+the split says. Bounded: the oldest ids are forgotten first. In Kafka mode every replica learns the
+ids the others served from the `response_id` of their outcomes."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 from service.bus.base import Subscription
+from service.config import RouteConfig
 from service.recent import Recent
 from service.records import OutcomeEvent
 
@@ -14,29 +17,40 @@ MEMORY = 100_000
 KAFKA_WAIT_S = 2.0  # how long a follow-up waits for another replica's outcome to name the model
 
 
+class Owner(NamedTuple):
+    route: str
+    model: str      # its key in `models:`
+
+    def serves(self, route: str, rc: RouteConfig) -> bool:
+        """Whether a request on `route` may reach this owner: the answer was made on that route, or
+        by one of its models. Another route's answer never takes a request out of its route."""
+        return self.route == route or self.model == rc.stable or self.model in rc.candidates
+
+
 class ResponseOwners:
     def __init__(self, capacity: int = MEMORY):
-        self._owners = Recent(capacity, width=1)  # response id -> index in _models
-        self._models: list[str] = []
-        self._index: dict[str, int] = {}
+        self._owners = Recent(capacity, width=1)  # response id -> index in _known
+        self._known: list[Owner] = []
+        self._index: dict[Owner, int] = {}
         self._waiting: dict[str, list[asyncio.Future]] = {}
         self.learning = False  # also from the other replicas' outcomes (Kafka mode, follow_outcomes)
 
-    def remember(self, response_id: str, model_key: str) -> None:
-        index = self._index.get(model_key)
+    def remember(self, response_id: str, route: str, model_key: str) -> None:
+        owner = Owner(route, model_key)
+        index = self._index.get(owner)
         if index is None:
-            index = self._index[model_key] = len(self._models)
-            self._models.append(model_key)
+            index = self._index[owner] = len(self._known)
+            self._known.append(owner)
         self._owners.put(response_id, index)
         for waiter in self._waiting.pop(response_id, ()):
             if not waiter.done():
-                waiter.set_result(model_key)
+                waiter.set_result(owner)
 
-    def owner(self, response_id: str) -> str | None:
+    def owner(self, response_id: str) -> Owner | None:
         found = self._owners.get(response_id)
-        return None if found is None else self._models[found[0]]
+        return None if found is None else self._known[found[0]]
 
-    async def wait(self, response_id: str, timeout_s: float) -> str | None:
+    async def wait(self, response_id: str, timeout_s: float) -> Owner | None:
         """The owner, waiting up to `timeout_s` for it to become known."""
         known = self.owner(response_id)
         if known is not None or timeout_s <= 0:
@@ -62,7 +76,8 @@ async def follow_outcomes(sub: Subscription, owners: ResponseOwners, stop: async
         while not stop.is_set():
             for record in await sub.get_batch(1000, 0.5):
                 # an outcome with a response_id is a request's, which names its model
-                if isinstance(record, OutcomeEvent) and record.response_id and record.model is not None:
-                    owners.remember(record.response_id, record.model)
+                if isinstance(record, OutcomeEvent) and record.response_id and record.model is not None \
+                        and record.route is not None:
+                    owners.remember(record.response_id, record.route, record.model)
     finally:
         await sub.close()

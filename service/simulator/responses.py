@@ -6,7 +6,8 @@ Input items become chat messages (function calls and their outputs included); fu
 `status: incomplete` with reason `max_output_tokens`, `content_filter` its own reason. Answers are
 stored (unless `store: false`) so that `previous_response_id` continues a conversation on the
 model that made it; another model answers 400 `previous_response_not_found`, as OpenAI does for
-an id it does not hold.
+an id it does not hold. `GET` and `DELETE /v1/responses/{id}` fetch and delete a stored answer; an
+id this simulator does not hold is a 404, as OpenAI's for another organization's.
 """
 
 from __future__ import annotations
@@ -111,11 +112,15 @@ def _status(finish: str) -> tuple[str, dict | None]:
     return "completed", None
 
 
+def _unknown(rid: str) -> Reply:
+    return error_reply(404, f"Response with id '{rid}' not found.", "invalid_request_error")
+
+
 class ResponsesEndpoint:
     def __init__(self, engine: Engine):
         self.engine = engine
-        # response id -> (model, the conversation so far as chat messages), oldest forgotten first
-        self._stored: OrderedDict[str, tuple[str, list[dict]]] = OrderedDict()
+        # response id -> (model, the conversation so far as chat messages, the response), oldest forgotten first
+        self._stored: OrderedDict[str, tuple[str, list[dict], dict]] = OrderedDict()
 
     def respond(self, raw: bytes, task_type: str | None = None) -> Reply:
         body = translate.parsed(raw)
@@ -143,10 +148,19 @@ class ResponsesEndpoint:
             out = translate.dumps(self._response(body, rid, "in_progress", None, [], None)).encode()
             return replace(reply, body=out[: len(out) // 2])
         message, finish = translate.first_choice(chat)
-        self._store(body, rid, messages, message)
         status, details = _status(finish)
-        return replace(reply, body=translate.dumps(self._response(body, rid, status, details, _output(rid, message),
-                                                                  chat.get("usage"))).encode())
+        response = self._response(body, rid, status, details, _output(rid, message), chat.get("usage"))
+        self._store(body, rid, messages, message, response)
+        return replace(reply, body=translate.dumps(response).encode())
+
+    def retrieve(self, rid: str) -> Reply:
+        stored = self._stored.get(rid)
+        return _unknown(rid) if stored is None else Reply(body=translate.dumps(stored[2]).encode())
+
+    def delete(self, rid: str) -> Reply:
+        if self._stored.pop(rid, None) is None:
+            return _unknown(rid)
+        return Reply(body=translate.dumps({"id": rid, "object": "response.deleted", "deleted": True}).encode())
 
     def _response(self, body: dict, rid: str, status: str, details: dict | None, output: list[dict],
                   chat_usage: dict | None) -> dict:
@@ -159,13 +173,13 @@ class ResponsesEndpoint:
                 "tools": body.get("tools") or [], "top_p": 1.0, "truncation": "disabled",
                 "usage": _usage(chat_usage) if status != "in_progress" else None, "metadata": {}}
 
-    def _store(self, body: dict, rid: str, messages: list[dict], message: dict) -> None:
+    def _store(self, body: dict, rid: str, messages: list[dict], message: dict, response: dict) -> None:
         if body.get("store") is False:
             return
         said = {"role": "assistant", "content": message.get("content") or message.get("refusal")}
         if message.get("tool_calls"):
             said["tool_calls"] = message["tool_calls"]
-        self._stored[rid] = (body.get("model"), [m for m in messages if m.get("role") != "system"] + [said])
+        self._stored[rid] = (body.get("model"), [m for m in messages if m.get("role") != "system"] + [said], response)
         while len(self._stored) > STORED_RESPONSES:
             self._stored.popitem(last=False)
 
@@ -216,9 +230,10 @@ class ResponsesEndpoint:
             output = _output(rid, message)
             out.append(event("response.output_item.done", output_index=0, item=output[0]))
             status, details = _status(finish)
-            self._store(body, rid, messages, message)
+            response = self._response(body, rid, status, details, output, usage)
+            self._store(body, rid, messages, message, response)
             terminal = "response.completed" if status == "completed" else "response.incomplete"
-            return out + [event(terminal, response=self._response(body, rid, status, details, output, usage))]
+            return out + [event(terminal, response=response)]
 
         def told(chunk: dict) -> list[str]:  # noqa: C901 - a branch per kind of chat delta
             nonlocal started, usage, call, finish

@@ -255,6 +255,13 @@ class HttpProtocol(asyncio.Protocol):
             if not engine.authorized(req.auth):
                 return invalid_api_key_reply()
             return self.apis.responses.respond(req.body, req.task_type)
+        if path.startswith(b"/responses/"):
+            if method not in (b"GET", b"DELETE"):
+                return _not_allowed(method, req.url)
+            if not engine.authorized(req.auth):
+                return invalid_api_key_reply()
+            rid = path[11:].decode("utf-8", "replace")
+            return self.apis.responses.retrieve(rid) if method == b"GET" else self.apis.responses.delete(rid)
         if path == b"/messages":
             if method != b"POST":
                 return _not_allowed(method, req.url)

@@ -92,7 +92,12 @@ class MessagesFormat:
         return view
 
     def stateful(self, body: dict) -> str | None:
-        return None  # every request carries its whole conversation
+        """The conversation is always whole; only a container the client already has is state: its
+        code execution would see and change that container's files."""
+        container = body.get("container")
+        if isinstance(container, str) or (isinstance(container, dict) and container.get("id")):
+            return "container"
+        return None
 
     def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
         if not isinstance(response.get("content"), list):

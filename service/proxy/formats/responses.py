@@ -104,6 +104,9 @@ class ResponsesFormat:
             return "conversation"
         if body.get("background") is True:  # the answer is fetched later from the upstream that holds it
             return "background"
+        tools = body.get("tools")
+        if isinstance(tools, list) and any(isinstance(t, dict) and isinstance(t.get("container"), str) for t in tools):
+            return "container"  # a tool runs in the client's own container: a shadow call would change it
         return None
 
     def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
