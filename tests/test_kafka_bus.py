@@ -502,6 +502,44 @@ async def test_a_key_that_is_not_utf8_stops_no_reader_of_the_topic(kafka_broker,
         await bus.close()
 
 
+async def test_a_follower_skips_undecodable_latest_records_for_the_latest_valid_state(kafka_broker, tmp_path):
+    """A tombstone, garbage or another record type as a route's newest record on the rollouts topic is
+    skipped and counted; a new replica follows the route's latest valid state before it, also when
+    that one is further back than one chunk of reading back."""
+    from kafka import KafkaProducer
+
+    from service.bus.kafka.consumer import LATEST_CHUNK
+    from service.records import dump
+
+    p = prefix()
+    bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
+    await bus.start()
+    try:
+        for v in (1, 2):
+            bus.publish("rollouts", rollout("support-bot", v))
+        bus.publish("rollouts", rollout("search-bot", 7))
+        for v in range(LATEST_CHUNK + 50):  # another route's history: the bad records are a chunk later
+            bus.publish("rollouts", rollout("busy-bot", v))
+        assert await bus.flush(10)
+        producer = KafkaProducer(bootstrap_servers=kafka_broker.bootstrap)  # any client may write to a topic
+        for value in (json.dumps(dump(outcome("wrong-type", 0))).encode(), b"garbage", None):  # None: a tombstone
+            producer.send(f"{p}.rollouts", key=b"support-bot", value=value)
+        producer.flush()
+        producer.close()
+        before = dropped("bad_record", topic="rollouts")
+        follower = bus.follow(["rollouts"], ["support-bot", "search-bot"])  # a new replica
+        got = await collect(follower, 2, 15)
+        got += await follower.get_batch(100, 0.5)
+        assert [(r.route, r.version) for r in got] == [("support-bot", 2), ("search-bot", 7)]
+        assert dropped("bad_record", topic="rollouts") - before == 3
+        await wait_for(follower.caught_up.is_set, 10, "the follower caught up")
+        bus.publish("rollouts", rollout("support-bot", 3))
+        assert [(r.route, r.version) for r in await collect(follower, 1, 10)] == [("support-bot", 3)]
+        await follower.close()
+    finally:
+        await bus.close()
+
+
 async def test_a_record_too_large_for_kafka_is_dropped_and_counted(kafka_broker, tmp_path):
     p, tag = prefix(), "big"
     bus = make_bus(kafka_broker.bootstrap, tmp_path / "spool", p)
@@ -844,7 +882,6 @@ def test_the_spool_bound_is_the_bytes_on_disk_also_while_a_segment_is_half_repla
         spool.commit(batch, 60)  # part of the oldest segment replayed: its file stays until all of it is
         while spool.append("outcomes", f"m{n}", record):
             n += 1
-        spool.flush()
         assert sum(p.stat().st_size for p in spool.slot.glob("seg-*.log")) <= 40_000
     finally:
         spool.close()

@@ -7,6 +7,11 @@ all topics, one record per line: `topic \\t key-as-JSON \\t value-JSON \\n`
 last line after a crash is recognisable). `seg-….pos` holds how many bytes of a
 segment were already replayed, so a restart does not resend them.
 
+Each line goes to the OS in one unbuffered write as it is appended (it then survives a crash of
+this process). A write the disk refuses (full, unwritable) drops that record, counted as
+`spool_error`, and is cut back off the segment, so the segment holds whole lines only and the
+spool goes on: replaying what it holds, taking records again once the disk has room.
+
 One process owns one slot (an exclusive `flock` on `slot-N/lock`), so several
 workers can share `spool.dir`; a process that finds a slot nobody holds adopts
 its segments. Files survive a process restart; the next owner replays them.
@@ -16,14 +21,15 @@ Not thread-safe: the Kafka bus's sender thread is the only user.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 from service import metrics
 from service.bus.base import TOPICS, Topic
@@ -32,6 +38,7 @@ log = logging.getLogger("modelcanary.bus.spool")
 
 _SEGMENT = re.compile(r"^seg-(\d{12})\.log$")
 _TOPICS: dict[bytes, Topic] = {t.encode(): t for t in TOPICS}
+DROP_LOG_INTERVAL_S = 60.0  # drops of one reason are logged at most this often, with their count
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,30 @@ def encode_line(topic: str, key: str, value: bytes) -> bytes:
     return b"%s\t%s\t%s\n" % (topic.encode(), json.dumps(key).encode(), value)
 
 
+class _DropLog:
+    """Says that records were dropped for one reason: at once, then at most once per interval, with how
+    many were dropped since it last said so."""
+
+    def __init__(self, level: int, reason: str):
+        self.level, self.reason = level, reason
+        self._count = 0
+        self._said_at: float | None = None
+
+    def note(self, slot: Path | None, detail: str) -> None:
+        self._count += 1
+        now = time.monotonic()
+        said_at = self._said_at
+        if said_at is None:
+            log.log(self.level, "spool %s: a record was dropped (%s): %s; such drops are logged at most "
+                    "once a minute from now on, with their count", slot, self.reason, detail)
+        elif now - said_at >= DROP_LOG_INTERVAL_S:
+            log.log(self.level, "spool %s: %d record%s dropped (%s) in the last %.0f s: %s", slot, self._count,
+                    "" if self._count == 1 else "s", self.reason, now - said_at, detail)
+        else:
+            return
+        self._count, self._said_at = 0, now
+
+
 def decode_line(line: bytes) -> SpoolEntry | None:
     parts = line.rstrip(b"\n").split(b"\t", 2)
     if len(parts) != 3 or parts[0] not in _TOPICS or not line.endswith(b"\n"):
@@ -90,8 +121,9 @@ class Spool:
         self._lock_fd: int | None = None
         self._segments: list[_Segment] = []  # oldest first; the last may be the active one
         self._active: _Segment | None = None
-        self._file: BinaryIO | None = None
-        self._dirty = False
+        self._fd: int | None = None  # the active segment, open for appending
+        self._drop_logs = {"spool_full": _DropLog(logging.WARNING, "spool_full"),
+                           "spool_error": _DropLog(logging.ERROR, "spool_error")}
         self._counts: dict[str, int] = {t: 0 for t in TOPICS}
         self._next_number = 1
 
@@ -125,39 +157,23 @@ class Spool:
     # ---- writing ------------------------------------------------------------------------------
 
     def append(self, topic: str, key: str, value: bytes) -> bool:
-        """Add a record at the end. False (counted as dropped, reason=spool_full) when it does not fit."""
+        """Add a record at the end, handed to the OS. False when it is dropped, counted: reason
+        spool_full when it does not fit in max_bytes, spool_error when the disk refuses it."""
         line = encode_line(topic, key, value)
         if self.slot is None:  # never opened (or could not be): nothing can be kept
-            metrics.events_dropped_total.labels(topic, "spool_error").inc()
-            return False
+            return self._dropped(topic, "spool_error", "the spool is not open")
         if self.disk_bytes + len(line) > self.max_bytes:
-            metrics.events_dropped_total.labels(topic, "spool_full").inc()
-            return False
-        seg = self._active
-        if seg is None or seg.size >= self.segment_bytes:
-            seg = self._roll()
+            return self._dropped(topic, "spool_full", f"events.spool.max_bytes is {self.max_bytes}")
         try:
-            assert self._file is not None
-            self._file.write(line)
-        except OSError as e:
-            log.error("spool %s: cannot write (%s); record dropped", self.slot, e.strerror or e)
-            metrics.events_dropped_total.labels(topic, "spool_error").inc()
-            return False
+            seg = self._writable()
+            self._write(seg, line)
+        except Exception as e:  # a full or unwritable disk, or anything else: the record is lost
+            return self._dropped(topic, "spool_error", f"cannot write: {_why(e)}")
         seg.size += len(line)
         seg.counts[topic] = seg.counts.get(topic, 0) + 1
         self._counts[topic] += 1
         metrics.events_spooled.labels(topic).set(self._counts[topic])
-        self._dirty = True
         return True
-
-    def flush(self) -> None:
-        """Hand appended lines to the OS (they then survive a crash of this process)."""
-        if self._dirty and self._file is not None:
-            try:
-                self._file.flush()
-            except OSError as e:
-                log.error("spool %s: flush failed: %s", self.slot, e.strerror or e)
-            self._dirty = False
 
     # ---- reading (replay) ---------------------------------------------------------------------
 
@@ -174,7 +190,8 @@ class Spool:
             size = 0
             with open(seg.path, "rb") as f:
                 f.seek(seg.pos)
-                while len(entries) < max_records and size < max_bytes:
+                # past seg.size is at most a partial line a failed write left (and could not cut off)
+                while len(entries) < max_records and size < max_bytes and offset < seg.size:
                     line = f.readline()
                     if not line:
                         break
@@ -212,8 +229,12 @@ class Spool:
         seg.pos = new_pos
         if seg.pos >= seg.size and seg is not self._active:
             self._drop_segment(seg)
-        else:
+            return
+        try:
             _write_atomic(seg.pos_path, str(seg.pos).encode())
+        except OSError as e:  # the replay goes on from memory; only a restart would resend them
+            log.warning("spool %s: cannot keep the replayed position of %s (%s); after a restart its "
+                        "replayed records would be sent again", self.slot, seg.path.name, _why(e))
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -230,27 +251,60 @@ class Spool:
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _dropped(self, topic: str, reason: str, detail: str) -> bool:
+        metrics.events_dropped_total.labels(topic, reason).inc()
+        self._drop_logs[reason].note(self.slot, detail)
+        return False
+
+    def _writable(self) -> _Segment:
+        seg = self._active
+        if seg is None or seg.size >= self.segment_bytes:
+            seg = self._roll()
+        return seg
+
     def _roll(self) -> _Segment:
         self._seal()
         assert self.slot is not None
         seg = _Segment(self._next_number, self.slot / f"seg-{self._next_number:012d}.log", 0)
         self._next_number += 1
-        self._file = open(seg.path, "ab")
+        self._fd = os.open(seg.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._segments.append(seg)
         self._active = seg
         return seg
 
+    def _write(self, seg: _Segment, line: bytes) -> None:
+        """All of `line` at the end of the active segment, or (raising) none of it."""
+        assert self._fd is not None
+        rest = memoryview(line)
+        try:
+            while rest:
+                written = os.write(self._fd, rest)
+                if written == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                rest = rest[written:]
+        except BaseException:
+            self._cut_back(seg)
+            raise
+
+    def _cut_back(self, seg: _Segment) -> None:
+        """Remove what a failed write left past the segment's last whole line."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, seg.size)
+        except OSError as e:  # the rest is read up to seg.size only; new records go to a new segment
+            log.error("spool %s: cannot cut a partial line off %s (%s)", self.slot, seg.path.name, _why(e))
+            self._seal()
+
     def _seal(self) -> None:
-        if self._file is not None:
+        """Close the active segment (it is not appended to again)."""
+        fd, self._fd, self._active = self._fd, None, None
+        if fd is None:
+            return
+        for step in (os.fsync, os.close):  # both, whatever the first does
             try:
-                self._file.flush()
-                os.fsync(self._file.fileno())
+                step(fd)
             except OSError as e:
-                log.error("spool %s: flush failed: %s", self.slot, e.strerror or e)
-            self._file.close()
-            self._file = None
-            self._dirty = False
-        self._active = None
+                log.error("spool %s: closing a segment: %s failed: %s", self.slot, step.__name__, _why(e))
 
     def _drop_segment(self, seg: _Segment) -> None:
         if seg is self._active:
@@ -352,6 +406,14 @@ def _try_lock(slot: Path) -> int | None:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _why(e: BaseException) -> str:
+    return (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__

@@ -20,12 +20,16 @@ from service import metrics
 from service.bus.base import Topic
 from service.bus.kafka.admin import broker_reachable, build_client, create_missing_topics, describe, key_text
 from service.bus.kafka.internals import finish_join, finish_stalled_join, topic_id
-from service.records import Record, load
+from service.records import LeaderRecord, Record, RolloutReport, RolloutState, load
 
 log = logging.getLogger("modelcanary.bus.kafka")
 
 if TYPE_CHECKING:
     from service.bus.kafka.producer import KafkaBus
+
+# what a keyed topic's records must decode as for a follower to take one as its key's latest
+KEYED_RECORDS: dict[Topic, type[Record]] = {"rollouts": RolloutState, "reports": RolloutReport,
+                                            "control": LeaderRecord}
 
 UNREACHABLE_WARN_S = 60.0  # how often a subscription that can't reach the broker says so
 
@@ -335,7 +339,8 @@ class KafkaSubscription:
             self._buffer.clear()
         consumer.assign(tps)
         if tps and self.latest_of is not None:
-            latest = _latest(consumer, tps, self.latest_of)
+            expected = {name: (topic, KEYED_RECORDS.get(topic, Record)) for name, topic in self._names.items()}
+            latest = _latest(consumer, tps, self.latest_of, expected)
             with self._lock:
                 self._buffer.extend(latest)
             self._notify()
@@ -436,47 +441,68 @@ LATEST_MAX_RECORDS = 5000
 LATEST_STALL_S = 10.0
 
 
-def _latest(consumer: KafkaConsumer, tps: list[TopicPartition], keys: frozenset[str]
-            ) -> list[tuple[TopicPartition, int, Record]]:
-    """Each of `keys`' latest record in every partition, oldest first, leaving each partition's position
-    just past its end (where following goes on).
+def _latest(consumer: KafkaConsumer, tps: list[TopicPartition], keys: frozenset[str],
+            expected: dict[str, tuple[Topic, type[Record]]]) -> list[tuple[TopicPartition, int, Record]]:
+    """Each of `keys`' latest valid record in every partition, oldest first, leaving each partition's
+    position just past its end (where following goes on). `expected`: each topic name's Topic and the
+    record type its records must decode as.
 
     A compacted topic holds little more than that anyway, but a broker may not compact (Tansu does
     not), so the partition is read back from the end a chunk at a time, newest chunk first, until
-    every key was found or the beginning reached: the cost is that of the records written since the
-    oldest of those keys' latest, whatever the topic's length. Only the records kept are decoded."""
+    every key has a valid record or the beginning is reached: the cost is that of the records written
+    since the oldest of those keys' latest, whatever the topic's length. A newer record of a key that
+    does not decode as the expected type (a tombstone, garbage) is skipped and counted as bad_record."""
     out: list[tuple[TopicPartition, int, Record]] = []
     ends = consumer.end_offsets(tps)
     for tp in tps:
         consumer.pause(*[t for t in tps if t != tp])
         consumer.resume(tp)
-        found: dict[str, tuple[int, bytes]] = {}
+        found: dict[str, tuple[int, Record]] = {}
         start = max(0, ends[tp] - LATEST_CHUNK)
         stop: int | None = None  # the tail is read to wherever the partition ends now
         while True:
-            chunk: dict[str, tuple[int, bytes]] = {}
-            for offset, key, value in _read_range(consumer, tp, start, stop, ends[tp]):
-                if key in keys and key not in found:
-                    chunk[key] = (offset, value)  # a later offset in the chunk wins
+            chunk = list(_read_range(consumer, tp, start, stop, ends[tp]))
             if stop is None:
                 resume_at = consumer.position(tp)
-            found.update(chunk)
+            _newest_valid(chunk, tp, keys, expected[tp.topic], found)
             if start == 0 or keys <= found.keys():
                 break
             start, stop = max(0, start - LATEST_CHUNK), start
-        for offset, value in sorted(found.values()):
-            try:
-                out.append((tp, offset, load(json.loads(value))))
-            except Exception:
-                metrics.events_dropped_total.labels(tp.topic, "bad_record").inc()
-                log.warning("skipped an undecodable record at %s[%d]@%d", tp.topic, tp.partition, offset)
+        out += [(tp, offset, record) for offset, record in sorted(found.values(), key=lambda x: x[0])]
         consumer.seek(tp, resume_at)
     consumer.resume(*tps)
     return out
 
 
+def _newest_valid(chunk: list[tuple[int, str | None, bytes | None]], tp: TopicPartition, keys: frozenset[str],
+                  expected: tuple[Topic, type[Record]], found: dict[str, tuple[int, Record]]) -> None:
+    """Add to `found` each key's newest valid record in `chunk` (read newest first), for keys not found
+    in a newer chunk; the undecodable ones newer than it are counted."""
+    topic, kind = expected
+    for offset, key, value in reversed(chunk):
+        if key is None or key not in keys or key in found:
+            continue
+        record = _decoded(value, kind)
+        if record is not None:
+            found[key] = (offset, record)
+            continue
+        metrics.events_dropped_total.labels(topic, "bad_record").inc()
+        log.warning("skipped an undecodable record of %r at %s[%d]@%d", key, tp.topic, tp.partition, offset)
+
+
+def _decoded(value: bytes | None, kind: type[Record]) -> Record | None:
+    """The record `value` holds if it is a `kind`; None for a tombstone, garbage or another type."""
+    if value is None:
+        return None
+    try:
+        record = load(json.loads(value))
+    except Exception:
+        return None
+    return record if isinstance(record, kind) else None
+
+
 def _read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, stop: int | None,
-                end: int) -> Iterator[tuple[int, str | None, bytes]]:
+                end: int) -> Iterator[tuple[int, str | None, bytes | None]]:
     """(offset, key, value) of `tp` from `start` up to `stop`, or (stop=None) until caught up with
     `end`: Tansu reports one past the first record of the last batch as the end, and a poll not cut
     short by max_records returns the rest of that batch with it (see replay.read_messages)."""

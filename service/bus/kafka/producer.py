@@ -117,6 +117,7 @@ class KafkaBus:
         self._inflight: dict[int, _Pending] = {}
         self._failed: list[tuple[int, _Pending, BaseException]] = []
         self._spooling: list[_Pending] = []  # taken out of flight by _trip, not yet in the spool
+        self._spooling_said = False  # logged that records go to the spool, since it was last empty
         # flush(): tickets in publish order; every ticket <= _settled has left the queue and, unless
         # still in flight, is confirmed or in the spool (flushed to the OS)
         self._publish_lock = threading.Lock()
@@ -216,8 +217,9 @@ class KafkaBus:
         return KafkaSubscription(self, list(topics), None, tail=last)
 
     def follow(self, topics: list[Topic], keys: Collection[str]) -> KafkaSubscription:
-        """Every partition of keyed topics (rollouts, reports): first each of `keys`' latest record,
-        found reading back from the end whether or not the broker compacts, then every new record."""
+        """Every partition of keyed topics (rollouts, reports): first each of `keys`' latest valid record
+        (a newer tombstone or undecodable one is skipped and counted as bad_record), found reading back
+        from the end whether or not the broker compacts, then every new record."""
         return KafkaSubscription(self, list(topics), None, latest_of=keys)
 
     def leadership(self, group: str) -> KafkaLeadership:
@@ -277,8 +279,7 @@ class KafkaBus:
                         self._connect()
                 elif busy:
                     self._replay_chunk_once()
-                self._spool.flush()
-                self._settled = self._handled
+                self._settled = self._handled  # what went to the spool is with the OS already
             except Exception:
                 log.exception("kafka sender loop error")
                 time.sleep(0.1)
@@ -320,7 +321,17 @@ class KafkaBus:
             self._spool_one(topic, key, value)
 
     def _spool_one(self, topic: Topic, key: str, value: bytes) -> None:
-        if not self._spool.append(topic, key, value):
+        if not self._spooling_said:
+            self._spooling_said = True
+            log.warning("kafka not available at %s; spooling records in %s until it is back",
+                        self.kafka.bootstrap_servers, self._spool.slot or self._spool.root)
+        try:
+            kept = self._spool.append(topic, key, value)
+        except Exception:  # counted like any record the spool could not keep; the next ones go on
+            log.exception("spooling a %s record failed", topic)
+            metrics.events_dropped_total.labels(topic, "spool_error").inc()
+            kept = False
+        if not kept:
             self._count_lost()
 
     def _send(self, item: _Pending) -> None:
@@ -364,6 +375,7 @@ class KafkaBus:
             if not closing:
                 first = self._failed[0][2] if self._failed else None
                 log.warning("kafka send failed (%s); spooling until the broker is back", describe(first))
+                self._spooling_said = True
             force_close(producer)
         deadline = time.monotonic() + 2.0
         while self._inflight and time.monotonic() < deadline:
@@ -381,7 +393,6 @@ class KafkaBus:
                     metrics.events_dropped_total.labels(item.topic, "too_large").inc()
                 else:
                     self._spool_one(item.topic, item.key, item.value)
-            self._spool.flush()
         finally:
             with self._lock:
                 self._spooling = []
@@ -431,13 +442,15 @@ class KafkaBus:
         self._idempotent = bool(producer.config.get("enable_idempotence"))
         self._probe_delay = self._probe_min
         waiting = len(self._spool)
+        self._spooling_said = self._spooling_said and waiting > 0
         log.info("kafka connected at %s (idempotent=%s); %d spooled records to replay",
                  self.kafka.bootstrap_servers, self._idempotent, waiting)
         return True
 
     def _replay_chunk_once(self) -> None:
         batch = self._spool.read(self._replay_chunk)
-        if batch is None:
+        if batch is None:  # what was left could not be read (counted as bad_record)
+            self._replayed()
             return
         producer = self._producer
         assert producer is not None
@@ -463,10 +476,12 @@ class KafkaBus:
                 bad = futures[done]
                 failure = bad.exception if hasattr(bad, "exception") else None
             self._failed_replay(failure)
-        else:
-            self._spool.flush()
-            if len(self._spool) == 0:
-                log.info("spool replayed; sending directly again")
+        elif len(self._spool) == 0:
+            self._replayed()
+
+    def _replayed(self) -> None:
+        log.info("spool replayed; sending directly again")
+        self._spooling_said = False
 
     def _await_delivery(self, producer: KafkaProducer, deadline: float) -> BaseException | None:
         """Flush until `deadline`, in short waits so that `close()` is not held up by a silent broker
