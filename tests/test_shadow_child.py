@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from collectors.embedded.child import NICE
-from tests.fixtures.servers import SIM_MODEL, metric_value, proxy_config, scrape, sim_config
+from tests.fixtures.servers import SIM_MODEL, metric_value, proxy_config, scrape, sim_config, start_simulator
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -134,3 +134,108 @@ def test_the_channel_keeps_frames_whole_and_in_order_past_the_socket_buffer_and_
     got, big_whole = asyncio.run(scenario())
     assert big_whole and len(got) == 1001
     assert [int(p) for _, p in got[1:]] == list(range(1000))
+
+
+def slow_candidate_proxy(servers, latency_s: float, concurrency: int):
+    slow = {**SIM_MODEL, "latency_s": {"median": latency_s, "p95": latency_s}}
+    sim = servers.simulator(sim_config({"good-model": dict(SIM_MODEL), "new-model": slow}, time_scale=1.0))
+    cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100_000, "noise_floor": False})
+    cfg["collect"] = {"concurrency": concurrency}
+    return servers.proxy(cfg)
+
+
+def accounted(url: str) -> tuple[float, dict[str, float]]:
+    """(candidate shadow calls, drops by alerted reason) on /metrics."""
+    text = scrape(url)
+    drops = {r: metric_value(text, "modelcanary_shadow_dropped_total", route=ROUTE, reason=r)
+             for r in ("queue_full", "error", "stopped")}
+    return shadowed(url), drops
+
+
+def test_the_sampled_requests_a_killed_child_held_are_counted_as_dropped(servers):
+    """Every sampled request is either evaluated or a drop the ShadowDropped alert sees: a child killed
+    with requests waiting for it and in flight loses them, counted as reason stopped."""
+    proxy = slow_candidate_proxy(servers, latency_s=0.5, concurrency=4)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
+    first = wait_for(lambda: shadow_child(proxy.proc.pid), 10, "the shadow child")
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: ask(client, i), range(40)))
+    wait_for(lambda: shadowed(proxy.url) >= 1, 20, "the first evaluation")  # the child holds the rest
+    os.kill(first, signal.SIGKILL)  # a child of the proxy this test started
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        done, drops = accounted(proxy.url)
+        if done + sum(drops.values()) >= 40:
+            break
+        time.sleep(0.2)
+    assert done + sum(drops.values()) == 40, f"{done} evaluated + drops {drops} for 40 sampled requests"
+    assert drops["stopped"] >= 20, drops  # 0.5 s each, 4 at a time: most were still waiting
+    assert "sampled requests it had not evaluated" in proxy.output()
+
+
+def test_a_killed_childs_evaluations_reach_metrics_with_their_records_and_the_rest_is_counted(tmp_path):
+    """The parent side of the child (ShadowChild) with a real child process: killed -9 just after its
+    first record came back, the records that reached the bus (the judge) and the evaluations on the
+    relayed metrics are the same, and what the child never finished, or was offered after it died, is
+    counted as reason stopped."""
+    import asyncio
+
+    from collectors.embedded.parent import ShadowChild
+    from collectors.embedded.relay import ChildMetrics
+    from service.bus.memory import MemoryBus
+    from service.config import parse_config
+    from service.records import PrimaryResult, TrafficEvent
+
+    slow = {**SIM_MODEL, "latency_s": {"median": 0.3, "p95": 0.3}}
+    sim = start_simulator(tmp_path, sim_config({"good-model": dict(SIM_MODEL), "new-model": slow}, time_scale=1.0))
+    try:
+        cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100_000, "noise_floor": False})
+        cfg["collect"] = {"concurrency": 4}
+        config = parse_config(cfg)
+        answer = {"id": "c", "object": "chat.completion", "model": "good-model",
+                  "choices": [{"index": 0, "finish_reason": "stop",
+                               "message": {"role": "assistant", "content": "Your order ships tomorrow."}}]}
+        events = [TrafficEvent(request_id=f"k-{i}", ts=time.time(), route=ROUTE, segment="chat",
+                               request={"model": ROUTE, "messages": [{"role": "user", "content": f"order {i}"}]},
+                               primary=PrimaryResult(model="stable-m", status=200, body=answer, latency_s=0.01,
+                                                     outcome="completed"),
+                               config_version=config.version()) for i in range(13)]
+
+        def relayed(relay: ChildMetrics) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for family in relay.collect():
+                for sample in family.samples:
+                    if sample.labels.get("route") != ROUTE:
+                        continue
+                    if sample.name == "modelcanary_shadow_requests_total" or (
+                            sample.name == "modelcanary_shadow_dropped_total" and sample.labels["reason"] == "stopped"):
+                        out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            return out
+
+        async def scenario() -> tuple[int, dict[str, float], dict[str, float]]:
+            bus = MemoryBus()
+            evaluations = bus.subscribe(["evaluations"], group=None)
+            relay = ChildMetrics()
+            before = relayed(relay)
+            child = ShadowChild(config, bus, relay)
+            for event in events[:-1]:
+                child.offer(event)
+            records: list = []
+            deadline = time.monotonic() + 30
+            while not records and time.monotonic() < deadline:
+                records += await evaluations.get_batch(100, 0.01)
+            assert records, "no record from the child"
+            os.kill(child.process.pid, signal.SIGKILL)  # the child this test started
+            await asyncio.to_thread(child.process.join, 10)
+            await child.stop()  # as run_in_child does for a dead child
+            child.offer(events[-1])
+            records += await evaluations.get_batch(100, 0.01)
+            return len(records), before, relayed(relay)
+
+        n, before, after = asyncio.run(scenario())
+    finally:
+        sim.stop()
+    evaluated = after.get("modelcanary_shadow_requests_total", 0.0) - before.get("modelcanary_shadow_requests_total", 0.0)
+    stopped = after.get("modelcanary_shadow_dropped_total", 0.0) - before.get("modelcanary_shadow_dropped_total", 0.0)
+    assert evaluated == n, f"{n} records reached the bus, {evaluated} evaluations reached the metrics"
+    assert n + stopped == len(events), f"{n} records + {stopped} stopped drops for {len(events)} sampled requests"

@@ -6,14 +6,14 @@ that embedding inference and judging never run on the proxy's event loop.
   are dropped and counted, `modelcanary_shadow_dropped_total{reason="queue_full"}`: the proxy never
   waits for a slow or dead child), publishes the EvaluationRecords the child sends back on the
   proxy's bus (the controller runs there), and starts a new child when one dies or a reload changes
-  the config (the old child first evaluates what it was sent, for a bounded time; what it could not
-  is counted, `reason="stopped"`);
+  the config (the old child first evaluates what it was sent, for a bounded time); what a child
+  was sent and never finished is counted, `reason="stopped"`;
 - `child.py`: the child, the same shadow workers as `modelcanary collect` (collectors.worker) over a
   bus made of that socket;
 - `channel.py`: the socket's frames, read and written on each side's event loop (no thread in the
   proxy competes with its loop for the GIL);
-- `relay.py`: the child's shadow metrics, shipped to the parent every second and exposed on the
-  parent's /metrics summed with the parent's own (and with earlier children's, so counters never
+- `relay.py`: the child's shadow metrics, shipped to the parent with each batch of records (and
+  every second) and exposed on the parent's /metrics summed with the parent's own (and with earlier children's, so counters never
   go back when a child is replaced).
 """
 

@@ -30,11 +30,13 @@ class Channel:
         self._drained = asyncio.Event()
         self._drained.set()
         self.closed = False
+        self._broken = False  # writing failed: the peer is gone; what it sent is still read, up to EOF
         self._loop.add_reader(sock.fileno(), self._readable)
 
     def send(self, kind: bytes, payload: bytes) -> None:
-        """Queue one frame; written now if the socket takes it (dropped once the channel is closed)."""
-        if self.closed:
+        """Queue one frame; written now if the socket takes it (dropped once the channel is closed or
+        broken)."""
+        if self.closed or self._broken:
             return
         frame = memoryview(b"".join(((len(payload) + 1).to_bytes(4, "big"), kind, payload)))
         if self._out:
@@ -45,7 +47,7 @@ class Channel:
         except BlockingIOError:
             sent = 0
         except OSError:
-            self._close()
+            self._break()
             return
         if sent < len(frame):
             self._out.append(frame[sent:])
@@ -95,13 +97,22 @@ class Channel:
             except BlockingIOError:
                 return
             except OSError:
-                self._close()
+                self._break()
                 return
             if sent < len(head):
                 self._out[0] = head[sent:]
                 return
             self._out.popleft()
         self._loop.remove_writer(self._sock.fileno())
+        self._drained.set()
+
+    def _break(self) -> None:
+        """The peer cannot be written to: stop writing, and leave closing to the reader (at EOF), so the
+        frames the peer sent before it went are not lost."""
+        self._broken = True
+        self._out.clear()
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_writer(self._sock.fileno())
         self._drained.set()
 
     def _close(self, notify: bool = True) -> None:

@@ -4,13 +4,15 @@ parent (collectors.embedded.channel), read and written on the child's event loop
 - from the parent: TRAFFIC frames (a TrafficEvent's JSON) and STOP (its payload: seconds left to
   evaluate the traffic already sent; then the rest is given up, what is in flight finishes, and the
   child exits);
-- to the parent: RECORD (an EvaluationRecord's JSON, for the parent's bus), TAKEN (how many
-  traffic frames the workers took: the parent keeps at most `events.queue_size` untaken), and
-  METRICS (relay.snapshot(), pickled) every SNAPSHOT_S and once more at exit.
+- to the parent: TAKEN (how many traffic frames the workers took: the parent keeps at most
+  `events.queue_size` untaken) and RESULTS: the EvaluationRecords (for the parent's bus) and the
+  request ids of the sampled requests finished since the last RESULTS (evaluated, skipped or
+  counted as an error), with relay.snapshot() taken after them, pickled in one frame: the parent
+  gets a record exactly when it gets the metrics its evaluation wrote. Sent within RESULTS_S of an
+  evaluation's end, every SNAPSHOT_S, and once more at exit.
 
-Sampled requests the child gives up (its drain time ran out, or its parent is gone) and those still
-in flight when the worker stops waiting for them are counted as
-`modelcanary_shadow_dropped_total{reason="stopped"}` and logged once with their number.
+The parent counts what the child was sent and never finished (given up, cancelled in flight, or
+lost with a child that died) as `modelcanary_shadow_dropped_total{reason="stopped"}`.
 
 The child stops by itself when its parent is gone (the socket closes). SIGINT is ignored (a Ctrl-C
 in a terminal reaches the whole process group; the parent asks the child to stop, with STOP).
@@ -33,7 +35,6 @@ import uvloop
 from collectors.embedded import relay
 from collectors.embedded.channel import Channel
 from collectors.worker import ShadowWorker
-from service import metrics
 from service.bus.base import Topic
 from service.config import Config
 from service.records import EvaluationRecord, Record, TrafficEvent, load
@@ -43,10 +44,10 @@ from service.upstream.base import Provider
 log = logging.getLogger("modelcanary.shadow")
 
 SNAPSHOT_S = 1.0
+RESULTS_S = 0.05                # an evaluation's end waits at most this for its RESULTS frame
 EXIT_DRAIN_S = 2.0
 NICE = 10
-TRAFFIC, STOP, RECORD, TAKEN, METRICS = b"t", b"s", b"r", b"c", b"m"
-STOPPED = "stopped"  # shadow_dropped_total's reason for what a stopping child could not evaluate
+TRAFFIC, STOP, TAKEN, RESULTS = b"t", b"s", b"c", b"r"
 
 
 class ChannelBus:
@@ -57,7 +58,10 @@ class ChannelBus:
         self._traffic: deque[bytes] = deque()
         self._arrived = asyncio.Event()
         self._draining = False  # STOP came: hand out what is queued, then stop the worker
-        self.dropped = 0
+        self._records: list[bytes] = []  # published since the last RESULTS frame
+        self._done: list[str] = []       # request ids finished since the last RESULTS frame
+        self._results_due: asyncio.TimerHandle | None = None
+        self.dropped = 0  # given up before the worker took them
         self.channel = Channel(sock, self._frame, self._parent_gone)
 
     def _frame(self, kind: bytes, payload: bytes) -> None:
@@ -75,22 +79,33 @@ class ChannelBus:
         self._give_up()
 
     def _give_up(self) -> None:
-        """Stop the worker now; what it was not handed yet is dropped (counted)."""
-        while self._traffic:
-            self.drop(json.loads(self._traffic.popleft()).get("route", "unknown"))
+        """Stop the worker now; what it was not handed yet is dropped (the parent counts it)."""
+        self.dropped += len(self._traffic)
+        self._traffic.clear()
         self._stop.set()
         self._arrived.set()
 
-    def drop(self, route: str) -> None:
-        metrics.shadow_dropped_total.labels(route, STOPPED).inc()
-        self.dropped += 1
+    def done(self, request_id: str) -> None:
+        """A sampled request taken is finished: its records (if any) are published, its metrics written."""
+        self._done.append(request_id)
+        if self._results_due is None:
+            self._results_due = asyncio.get_running_loop().call_later(RESULTS_S, self.ship)
+
+    def ship(self) -> None:
+        """One RESULTS frame: the records and finished ids since the last one, and the metrics now."""
+        if self._results_due is not None:
+            self._results_due.cancel()
+            self._results_due = None
+        results = (self._records, self._done, relay.snapshot())
+        self._records, self._done = [], []
+        self.channel.send(RESULTS, pickle.dumps(results))
 
     async def start(self) -> None:
         return None
 
     def publish(self, topic: Topic, record: Record) -> None:
-        if topic == "evaluations":
-            self.channel.send(RECORD, record.model_dump_json(by_alias=True).encode())
+        if topic == "evaluations":  # sent with the request's id and the metrics, once it is done
+            self._records.append(record.model_dump_json(by_alias=True).encode())
 
     def subscribe(self, topics: list[Topic], group: str | None) -> ChannelBus:
         if topics != ["traffic"]:
@@ -130,23 +145,28 @@ class ChannelBus:
 
 
 class ChildWorker(ShadowWorker):
-    """A ShadowWorker that counts the evaluations it cancels when it stops (its drain timeout ran out)."""
+    """A ShadowWorker that tells the parent each sampled request it finished; one cancelled in flight
+    (the worker's drain timeout ran out) is not finished: the parent counts it."""
 
     def __init__(self, config: Config, bus: ChannelBus, providers: dict[str, Provider], tracing: object):
         super().__init__(config, bus, providers, tracing)
-        self.drop = bus.drop
+        self.channel_bus = bus
 
     async def handle(self, event: TrafficEvent) -> EvaluationRecord | None:
         try:
-            return await super().handle(event)
+            record = await super().handle(event)
         except asyncio.CancelledError:
-            self.drop(event.route)
             raise
+        except Exception:  # counted as an error by the worker, in the same step
+            self.channel_bus.done(event.request_id)
+            raise
+        self.channel_bus.done(event.request_id)
+        return record
 
 
-async def _ship_metrics(bus: ChannelBus, stop: asyncio.Event) -> None:
+async def _ship_results(bus: ChannelBus, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        bus.channel.send(METRICS, pickle.dumps(relay.snapshot()))
+        bus.ship()
         try:
             await asyncio.wait_for(stop.wait(), SNAPSHOT_S)
         except TimeoutError:
@@ -162,16 +182,15 @@ async def _run(config: Config, sock: socket.socket) -> None:
     bus = ChannelBus(sock, stop)
     providers = make_providers(config)
     tracing = Tracing(config.tracing)  # the proxy's service name, as when the workers ran in its process
-    shipper = asyncio.create_task(_ship_metrics(bus, stop))
+    shipper = asyncio.create_task(_ship_results(bus, stop))
     try:
         await ChildWorker(config, bus, providers, tracing).run(stop)
     finally:
         stop.set()
         if bus.dropped:
-            log.warning("the shadow child stopped before it could evaluate %d sampled requests "
-                        "(counted as modelcanary_shadow_dropped_total{reason=\"%s\"})", bus.dropped, STOPPED)
+            log.warning("the shadow child stopped before it could take %d sampled requests it was sent", bus.dropped)
         await shipper
-        bus.channel.send(METRICS, pickle.dumps(relay.snapshot()))
+        bus.ship()
         await bus.channel.drain(EXIT_DRAIN_S)
         bus.channel.close()
         for provider in providers.values():

@@ -4,12 +4,14 @@ On the proxy's event loop only, with no thread: reading sampled traffic from the
 in-process workers did), sending its JSON to the child over their socket (collectors.embedded.channel),
 and publishing the records the child sends back. At most `events.queue_size` sent events wait for
 the child to take them; more are dropped and counted (queue_full).
+Every event sent is kept (its request id and route) until the child says it is finished; when the
+child ends (it died, was killed, or gave up what it had no time for) what it never finished is
+counted (reason stopped) and logged, and so is what is offered to it after its socket closed.
 A child that dies is replaced after a pause (RESTART_S, growing while children keep dying early).
 A reload that changes the config starts a child on the new config and stops the old one, which
-first evaluates what it was sent (under the config it was sampled with) for up to RELOAD_DRAIN_S;
-what it could not is counted (reason stopped, see collectors.embedded.child). The subscription stays,
-so traffic sampled while the new child starts waits for it instead of being lost. A reload that
-changes nothing keeps the child.
+first evaluates what it was sent (under the config it was sampled with) for up to RELOAD_DRAIN_S.
+The subscription stays, so traffic sampled while the new child starts waits for it instead of
+being lost. A reload that changes nothing keeps the child.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import time
 from collectors.embedded import child as child_main
 from collectors.embedded.channel import Channel
 from collectors.embedded.relay import ChildMetrics, install
-from collectors.worker import DRAIN_TIMEOUT_S, GROUP
+from collectors.worker import DRAIN_TIMEOUT_S
 from service import metrics
 from service.bus import EventBus
+from service.bus.memory import SHADOW_GROUP
 from service.config import Config
 from service.records import TrafficEvent, load
 
@@ -40,6 +43,7 @@ STOP_TIMEOUT_S = 4.0            # the child finishes what is in flight within th
 RELOAD_DRAIN_S = 10.0           # a child replaced by a reload evaluates what it was sent within this
 RESTART_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 HEALTHY_S = 60.0                # a child that lived this long resets the restart pause
+STOPPED = "stopped"             # shadow_dropped_total's reason for what a child never finished
 
 
 class ShadowChild:
@@ -48,6 +52,7 @@ class ShadowChild:
     def __init__(self, config: Config, bus: EventBus, relay: ChildMetrics):
         self.capacity = config.events.queue_size
         self.waiting = 0  # sent, not yet taken by the child's workers
+        self.unfinished: dict[str, list[str]] = {}  # request id -> routes: sent, not yet finished
         self.bus = bus
         self.relay = relay
         self.key = id(self)
@@ -66,25 +71,51 @@ class ShadowChild:
         return self.process.is_alive()
 
     def offer(self, event: TrafficEvent) -> None:
-        """Send a sampled request to the child, or drop it (counted) when `capacity` already wait."""
+        """Send a sampled request to the child, or drop it (counted) when `capacity` already wait or
+        the child's socket is closed."""
+        if self.channel.closed:
+            metrics.shadow_dropped_total.labels(event.route, STOPPED).inc()
+            return
         if self.waiting >= self.capacity:
             metrics.shadow_dropped_total.labels(event.route, "queue_full").inc()
             return
         self.waiting += 1
+        self.unfinished.setdefault(event.request_id, []).append(event.route)  # before a send that may close
         self.channel.send(child_main.TRAFFIC, child_main.encode(event))
 
     def _frame(self, kind: bytes, payload: bytes) -> None:
         if kind == child_main.TAKEN:
             self.waiting = max(0, self.waiting - int(payload))
-        elif kind == child_main.METRICS:
-            self.relay.update(self.key, pickle.loads(payload))  # noqa: S301 - from our own child
-        elif kind == child_main.RECORD:
-            try:
-                self.bus.publish("evaluations", load(json.loads(payload)))
-            except ValueError:
-                log.exception("a record from the shadow child could not be published")
+        elif kind == child_main.RESULTS:
+            records, done, snapshot = pickle.loads(payload)  # noqa: S301 - from our own child
+            for record in records:
+                self._publish(record)
+            self.relay.update(self.key, snapshot)
+            for request_id in done:
+                self._finished(request_id)
+
+    def _publish(self, record: bytes) -> None:
+        try:
+            self.bus.publish("evaluations", load(json.loads(record)))
+        except ValueError:
+            log.exception("a record from the shadow child could not be published")
+
+    def _finished(self, request_id: str) -> None:
+        routes = self.unfinished.get(request_id)
+        if routes:
+            routes.pop()
+            if not routes:
+                del self.unfinished[request_id]
 
     def _closed(self) -> None:
+        """The child is gone: what it was sent and never finished is counted (its last RESULTS was read)."""
+        lost = [route for routes in self.unfinished.values() for route in routes]
+        self.unfinished.clear()
+        for route in lost:
+            metrics.shadow_dropped_total.labels(route, STOPPED).inc()
+        if lost:
+            log.warning("the shadow child ended with %d sampled requests it had not evaluated (counted as "
+                        "modelcanary_shadow_dropped_total{reason=\"%s\"})", len(lost), STOPPED)
         self.relay.child_ended(self.key)
         self._ended.set()
 
@@ -97,8 +128,7 @@ class ShadowChild:
             await asyncio.to_thread(self.process.join, timeout_s)
         finally:
             if self.process.is_alive():
-                log.warning("the shadow child did not stop in %.0f s and is killed: the %d sampled requests "
-                            "it had not taken and those in flight are not evaluated", timeout_s, self.waiting)
+                log.warning("the shadow child did not stop in %.0f s and is killed", timeout_s)
                 self.process.kill()
                 await asyncio.to_thread(self.process.join, 1.0)
             with contextlib.suppress(TimeoutError):  # what the child sent last is read first
@@ -131,7 +161,7 @@ async def run_in_child(config: Config, bus: EventBus, stop: asyncio.Event, reloa
     put on `reloads` that differs replaces the child (the child makes its own providers and tracing from it)."""
     relay = install()
     loop = asyncio.get_running_loop()
-    sub = bus.subscribe(["traffic"], group=GROUP)
+    sub = bus.subscribe(["traffic"], group=SHADOW_GROUP)
     child: ShadowChild | None = None
     stopping: set[asyncio.Task] = set()
     deaths = 0

@@ -2,9 +2,10 @@
 samples (`snapshot`), the parent exposes them summed with its own (`ChildMetrics`).
 
 Only the metrics the shadow workers write are relayed (`WORKER_METRICS`); the parent writes one of
-them too (`shadow_dropped_total`, for queue_full). A snapshot holds cumulative values, so a lost
-one costs nothing; when a child ends its last snapshot is kept, and the next child's values are
-added to it.
+them too (`shadow_dropped_total`, for queue_full and stopped). A snapshot holds cumulative values, so
+a lost one costs nothing; it travels in the frame with the records it counts (collectors.embedded.child),
+so a child killed at any moment leaves /metrics counting exactly the records the judge got. When a
+child ends its last snapshot is kept, and the next child's values are added to it.
 """
 
 from __future__ import annotations

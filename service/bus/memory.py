@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from prometheus_client import Gauge
 
 LAG_EVERY = 256   # offers between two lag exports while nobody calls get_batch
+# The consumer group memory mode's shadow workers read traffic in (as collectors.worker.GROUP, which
+# service may not import): a traffic record only its queue had no room for is a sampled request
+# never shadowed. Other subscribers' full queues (capture's recent traffic) are event drops only.
+SHADOW_GROUP = "modelcanary-shadow"
 
 
 class MemorySubscription:
@@ -36,7 +40,7 @@ class MemorySubscription:
 
     def offer(self, topic: Topic, record: Record) -> bool:
         if len(self._items) >= self._maxsize:
-            metrics.count_queue_full(topic, record)
+            metrics.count_queue_full(topic, record, shadow=self._group == SHADOW_GROUP)
             return False
         self._items.append((topic, record))
         self._depth[topic] += 1
