@@ -90,10 +90,14 @@ class LoopLag:
     backlog, many evaluations scoring at once) the loop picks up answers late, and the measure is
     the worker's delay, not the model's. Such a latency is not recorded (None): a call keeps its
     latency only when the loop was late by at most LAG_TOLERANCE of it (or LAG_FLOOR_S) meanwhile.
-    The timer runs only while a call is measured: an idle worker does not wake up.
+    A tick's first TIMER_SLACK_S of lateness is the loop's own timer resolution (epoll waits whole
+    milliseconds), not work: uncounted, or an idle loop would seem 5-10% late. Lateness from before a
+    call started is not the call's. The timer runs only while a call is measured: an idle worker
+    does not wake up.
     """
 
     INTERVAL_S = 0.005
+    TIMER_SLACK_S = 0.001
     LAG_TOLERANCE = 0.1
     LAG_FLOOR_S = 0.002
 
@@ -110,22 +114,26 @@ class LoopLag:
             loop = asyncio.get_running_loop()
             self._due = loop.time() + self.INTERVAL_S
             self._ticker = loop.create_task(self._tick(), name="shadow-loop-lag")
-        return self.total
+        return self.total + self._pending()
 
     def stop(self, latency_s: float, mark: float) -> bool:
         """End one call's measure: whether its latency is the model's (the loop was on time meanwhile)."""
         self._measuring -= 1
-        late = self.total - mark + max(0.0, asyncio.get_running_loop().time() - self._due)  # + a tick not run yet
+        late = self.total + self._pending() - mark
         if not self._measuring and self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
         return late <= max(self.LAG_FLOOR_S, self.LAG_TOLERANCE * latency_s)
 
+    def _pending(self) -> float:
+        """The lateness of a tick due and not run yet."""
+        return max(0.0, asyncio.get_running_loop().time() - self._due - self.TIMER_SLACK_S)
+
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(max(0.0, self._due - loop.time()))
-            self.total += max(0.0, loop.time() - self._due)
+            self.total += self._pending()
             self._due = loop.time() + self.INTERVAL_S
 
 
@@ -619,6 +627,8 @@ async def _collect(config: Config) -> int:
     bus = make_bus(config.events)
     providers = make_providers(config)
     tracing = Tracing(config.tracing, service_name="modelcanary-collect")
+    for route in config.routes:
+        metrics.shadow_drops_from_zero(route)
     workers: asyncio.Task | None = None
     runner = None
     try:

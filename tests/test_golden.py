@@ -411,7 +411,7 @@ def test_replay_of_a_tool_breaking_candidate_fails_the_build_with_evidence(repla
     assert "worse segment tools: invalid_tool_call rate" in out  # the evidence, with its numbers
     assert "worse segment tools: case checks pass rate" in out
     assert "worse segment chat" not in out
-    assert "replay: 70/70 cases" in r.stderr  # plain progress lines when not on a terminal
+    assert "replay: evaluated 70/70 cases" in r.stderr  # plain progress lines when not on a terminal
 
 
 def test_replay_of_the_stable_model_against_itself_passes(replay_setup):

@@ -161,6 +161,11 @@ def test_proxy_to_collect_end_to_end_one_record_each_and_no_credentials(kafka_br
     assert metric_value(text, "modelcanary_shadow_requests_total", route=ROUTE, model="candidate-m") >= len(sampled)
     assert metric_value(text, "modelcanary_shadow_agreement_total", route=ROUTE, comparison="noise_floor") >= len(sampled)
     assert metric_value(text, "modelcanary_shadow_evaluations_total", route=ROUTE, evaluator="verifiers") >= len(sampled)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    drops = {s.labels["reason"] for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "modelcanary_shadow_dropped_total" and s.labels["route"] == ROUTE}
+    assert drops >= {"queue_full", "error", "stopped"}  # from 0, so that the drop alert's increase() sees the first
     assert collect.stop() == 0  # SIGTERM: flush and exit 0
     assert "shadow worker stopped" in collect.output()
 

@@ -26,9 +26,11 @@ from rich.console import Console
 from collectors.golden import capture as capturing
 from collectors.golden import dataset, printing, sources, verdicts
 from collectors.golden.replay import (
+    LatencyEvidence,
     ReplayInputError,
     RouteRun,
     Unanswered,
+    latency_evidence,
     repro,
     run,
     servable,
@@ -37,6 +39,7 @@ from collectors.golden.replay import (
 )
 from service.admin.cli import AdminError, BadURLError, check_url, get_report
 from service.config import Config, ConfigError, load_config
+from service.judge.comparisons import MIN_COUNT_FOR_VERDICT
 from service.records import dump
 from service.rollout.controller import finite
 
@@ -184,6 +187,7 @@ def replay(dataset_path: str, candidate: str, stable: str | None, repeats: int |
     finally:
         reporter.close()
     results, worse, silent = _judged(runs, live, candidate, config, None if as_json else printing.console())
+    _warn_latency(runs)
     code = BAD_INPUT if silent else 1 if worse else 0
     if as_json:
         body = {"schema": "modelcanary.replay/v1", "dataset": dataset_path, "candidate": candidate,
@@ -212,12 +216,14 @@ def _judged(runs: dict[str, RouteRun], live: LiveReports | None, candidate: str,
     worse = False
     silent = {}
     for route, rr in runs.items():
+        sides = unanswered(rr)
         segs = verdicts.per_segment(c.as_dict() for c in rr.comparisons)
+        if sides:  # a side that answered nothing: its failures are no verdict on the candidate
+            segs = dict.fromkeys(segs, verdicts.NOT_COMPARED)
         body = live.reports.get(route) if live is not None else None
         agreements = verdicts.against_live(segs, body, candidate) if body is not None else None
         not_compared = live.skipped.get(route) if live is not None else None
         worse = worse or verdicts.WORSE in segs.values()
-        sides = unanswered(rr)
         if sides or not rr.records:
             silent[route] = _silent_message(route, rr, sides, config)
         results[route] = {**_route_result(rr, segs, agreements), "against_report_skipped": not_compared,
@@ -242,8 +248,24 @@ def _silent_message(route: str, rr: RouteRun, sides: list[Unanswered], config: C
             f"could be compared; check that the provider is reachable and its key is set")
 
 
+def _warn_latency(runs: dict[str, RouteRun]) -> None:
+    """A line on stderr for each route that discarded latencies left too few pairs for a latency verdict."""
+    for rr in runs.values():
+        ev = latency_evidence(rr)
+        if ev.pairs < MIN_COUNT_FOR_VERDICT and any(ev.discarded.values()):
+            print(f"warning: {_latency_warning(rr, ev)}", file=sys.stderr)
+
+
+def _latency_warning(rr: RouteRun, ev: LatencyEvidence) -> str:
+    return (f"route {rr.route}: {ev.pairs} latency pairs (fewer than {MIN_COUNT_FOR_VERDICT}: latency gets no "
+            f"verdict): {ev.discarded['candidate']} of {ev.completed['candidate']} candidate and "
+            f"{ev.discarded['stable']} of {ev.completed['stable']} stable latencies were discarded, measured while "
+            f"this machine's event loop ran late; replay on a less busy machine or with a lower collect.concurrency")
+
+
 def _route_result(rr: RouteRun, segs: dict[str, str], agreements: list[verdicts.Agreement] | None) -> dict:
     return {"stable": rr.stable, "candidate": rr.candidate, "cases": len(rr.records), "skipped": dict(rr.skipped),
+            "latency": latency_evidence(rr).as_dict(),
             "verdicts": segs, "alpha_per_comparison": rr.alpha_each, "comparisons_budget": rr.budget,
             "comparisons": [c.as_dict() for c in rr.comparisons], "matrix": shadow_summary(rr),
             "against_report": [a.as_dict() for a in agreements] if agreements is not None else None}

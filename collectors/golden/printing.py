@@ -10,7 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from collectors.golden.replay import RouteRun, shadow_summary
+from collectors.golden.replay import RouteRun, latency_evidence, shadow_summary
+from collectors.golden.verdicts import WORSE as VERDICT_WORSE
 from collectors.golden.verdicts import Agreement
 from service.admin.cli import VERDICT_STYLE, _console, _shadow_tables, judge_table
 from service.judge.comparisons import WORSE
@@ -24,7 +25,7 @@ def console() -> Console:
 
 
 class Reporter:
-    """`progress(done, total)`: a rich bar when stderr is a terminal, else a line now and then."""
+    """`progress(step, done, total)`: a rich bar per step when stderr is a terminal, else a line now and then."""
 
     def __init__(self, label: str):
         self.label = label
@@ -33,19 +34,21 @@ class Reporter:
         self._task = None
         self._next = 0
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, step: str, done: int, total: int) -> None:
         if self.tty:
             if self._bar is None:
-                self._bar = Progress(TextColumn(self.label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                     console=Console(stderr=True), transient=True)
+                self._bar = Progress(TextColumn(f"{self.label} {step}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)
                 self._bar.start()
-                self._task = self._bar.add_task(self.label, total=total)
+                self._task = self._bar.add_task(step, total=total)
             self._bar.update(self._task, completed=done)
             if done >= total:
                 self.close()
             return
+        if done == 0:
+            self._next = 0
         if done >= self._next or done >= total:
-            print(f"{self.label}: {done}/{total} cases", file=sys.stderr, flush=True)
+            print(f"{self.label}: {step} {done}/{total} cases", file=sys.stderr, flush=True)
             self._next = done + max(1, int(total * PLAIN_EVERY))
 
     def close(self) -> None:
@@ -80,7 +83,7 @@ def verdict_table(rr: RouteRun, verdicts: dict[str, str], agreements: list[Agree
     live = {a.segment: a for a in agreements or ()}
     for seg in list(verdicts) + [s for s in live if s not in verdicts]:
         verdict = verdicts.get(seg)
-        worse = [c for c in rr.comparisons if c.segment == seg and c.verdict == WORSE]
+        worse = [c for c in rr.comparisons if c.segment == seg and c.verdict == WORSE and verdict == VERDICT_WORSE]
         why = "; ".join(f"{c.spec.label} {describe_effect(c)}" for c in worse[:3])
         row = [seg, str(counts.get(seg, 0)), Text(verdict or "–", style=VERDICT_STYLE.get(verdict or "", ""))]
         if agreements is not None:
@@ -104,7 +107,11 @@ def print_run(out: Console, rr: RouteRun, verdicts: dict[str, str], agreements: 
     out.print(verdict_table(rr, verdicts, agreements))
     for reason, n in rr.skipped.items():
         out.print(f"{rr.route}: {n} cases not evaluated: {reason}")
-    worse = [c for c in rr.comparisons if c.verdict == WORSE]
+    lat = latency_evidence(rr)
+    out.print(f"route {rr.route}: latency pairs {lat.pairs}; latencies discarded (measured while the event loop "
+              f"ran late): candidate {lat.discarded['candidate']} of {lat.completed['candidate']}, stable "
+              f"{lat.discarded['stable']} of {lat.completed['stable']}")
+    worse = [c for c in rr.comparisons if c.verdict == WORSE and verdicts.get(c.segment) == VERDICT_WORSE]
     for c in worse:
         out.print(Text.assemble(("worse ", "bold red"), c.reason()))
     if agreements is not None:

@@ -2,18 +2,20 @@
 
 - Every string gets the text patterns: the route's `shadow.redact` ones, then the credential ones
   (bearer tokens, `sk-…` keys).
-- The value under a credential key (`password`, `api_key`, `authorization`, …) is replaced by
-  [REDACTED], at any depth.
+- The value under a credential key (`password`, `api_key`, `authorization`, …, in any case style:
+  `accessToken`, `client-secret`) is replaced by [REDACTED], at any depth.
+- Keys get the text patterns too (an email used as a key); two keys that become the same keep both
+  values (`[REDACTED]`, `[REDACTED] 2`).
 - Tool-call arguments and tool results are JSON inside a string (`tool_calls[].function.arguments`,
   Responses `function_call.arguments` and `function_call_output.output`, a streamed Anthropic
-  `tool_use.input`, a `tool` message's content, Anthropic `tool_result.content`): when such a string
+  `tool_use.input`, a `tool` or legacy `function` message's content, Anthropic `tool_result.content`): when such a string
   is a JSON object or array it is parsed, redacted like the rest and written back as a string (the
   original text when nothing in it was redacted).
 - Schemas are not data: under a tool's parameters (`tools[].function.parameters`, Responses
   `tools[].parameters`, Anthropic `tools[].input_schema`, legacy `functions[].parameters`) and a JSON
   output schema (`response_format.json_schema.schema`, Responses `text.format.schema`, Anthropic
   `output_format.schema` / `output_config.format.schema`) keys are kept and no value is replaced
-  (a property named `password` stays a schema); their strings still get the text patterns.
+  (a property named `password` stays a schema); their strings and keys still get the text patterns.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ import json
 import re
 from collections.abc import Sequence
 
+from service.proxy.recorder import unique_key
+
 REDACTED = "[REDACTED]"
-# Keys whose value is a credential wherever they appear in a request or an answer.
-CREDENTIAL_KEYS = frozenset({"authorization", "proxy_authorization", "api_key", "apikey", "x_api_key",
-                             "access_token", "refresh_token", "client_secret", "password", "secret"})
+# Keys whose value is a credential wherever they appear in a request or an answer, in any case
+# style: compared lower-cased without `_` and `-` (`accessToken`, `access-token`, `ACCESS_TOKEN`).
+CREDENTIAL_KEYS = frozenset({"authorization", "proxyauthorization", "apikey", "xapikey", "accesstoken",
+                             "refreshtoken", "idtoken", "authtoken", "sessiontoken", "bearertoken",
+                             "clientsecret", "password", "passwd", "secret", "secretkey", "awssecretaccesskey",
+                             "privatekey"})
 # Credentials pasted into text: bearer tokens and API keys of the common "sk-…" shape.
 CREDENTIAL_PATTERNS = [re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}"),
                        re.compile(r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}")]
@@ -61,7 +68,7 @@ def scrub_credentials(value: object) -> object:
 
 
 def _credential_key(key: object) -> bool:
-    return isinstance(key, str) and key.lower().replace("-", "_") in CREDENTIAL_KEYS
+    return isinstance(key, str) and key.lower().replace("_", "").replace("-", "") in CREDENTIAL_KEYS
 
 
 def _walk(value: object, patterns: list[re.Pattern], path: Path, json_text: bool = False) -> object:
@@ -72,17 +79,23 @@ def _walk(value: object, patterns: list[re.Pattern], path: Path, json_text: bool
         item = None if path is None else (*path, "[]")
         return [_walk(v, patterns, item, json_text) for v in value]
     if isinstance(value, dict):
-        out = {}
+        out: dict = {}
         for k, v in value.items():
             sub = None if path is None else (*path, str(k))
             if _credential_key(k):
-                out[k] = REDACTED
+                v = REDACTED
             elif sub in SCHEMA_PATHS:
-                out[k] = _schema(v, patterns)
+                v = _schema(v, patterns)
             else:
-                out[k] = _walk(v, patterns, sub, json_text or _holds_json(value, k))
+                v = _walk(v, patterns, sub, json_text or _holds_json(value, k))
+            out[_key(out, k, patterns)] = v
         return out
     return value
+
+
+def _key(taken: dict, key: object, patterns: list[re.Pattern]) -> object:
+    """A key with the text patterns applied, not one `taken` already holds."""
+    return unique_key(taken, _text(key, patterns) if isinstance(key, str) else key)
 
 
 def _holds_json(parent: dict, key: object) -> bool:
@@ -93,7 +106,7 @@ def _holds_json(parent: dict, key: object) -> bool:
     return (key == "arguments"
             or (key == "input" and kind in _TOOL_USE_TYPES)
             or (key == "output" and kind in _TOOL_OUTPUT_TYPES)
-            or (key == "content" and (role == "tool" or kind == "tool_result")))
+            or (key == "content" and (role in ("tool", "function") or kind == "tool_result")))
 
 
 def _schema(value: object, patterns: list[re.Pattern]) -> object:
@@ -103,7 +116,10 @@ def _schema(value: object, patterns: list[re.Pattern]) -> object:
     if isinstance(value, list):
         return [_schema(v, patterns) for v in value]
     if isinstance(value, dict):
-        return {k: _schema(v, patterns) for k, v in value.items()}
+        out: dict = {}
+        for k, v in value.items():
+            out[_key(out, k, patterns)] = _schema(v, patterns)
+        return out
     return value
 
 

@@ -21,7 +21,7 @@ import hashlib
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from collectors.evaluators import default_evaluators
 from collectors.evaluators.base import ShadowCall
 from collectors.golden.checks import CaseChecksEvaluator
 from collectors.golden.dataset import Case
+from collectors.spend import OverBudget
 from collectors.worker import ShadowClient, ShadowWorker
 from service import __version__
 from service.bus.memory import MemoryBus
@@ -46,6 +47,7 @@ from service.upstream.model_settings import settings_record
 
 BOUNDARY = FixedBoundary()
 CHECKS_TEST = PairedMeanTest()
+Progress = Callable[[str, int, int], None]   # (step, cases done, cases)
 
 
 class ReplayInputError(Exception):
@@ -73,15 +75,41 @@ class RouteRun:
 
 
 class RecordingClient(ShadowClient):
-    """The worker's client, also noting which model version answered each call and what it cost."""
+    """The worker's client, also noting which model version answered each call and what it cost.
+
+    `prefetch` asks the candidate and the stable model a case's request ahead of its evaluation;
+    the worker's first call to each of them for that request (the same object: `event.request`)
+    then gets that answer. So the calls whose latencies are compared run while the loop does
+    nothing else, and their latencies are the models' (collectors.worker.LoopLag)."""
 
     def __init__(self, config: Config, providers: dict):
         super().__init__(config, providers)
         self.served: dict[str, set[str]] = {}
         self.cost_usd: dict[str, float] = {}
         self.calls: Counter = Counter()
+        self._fetched: dict[tuple[int, str], list[ShadowCall]] = {}  # (id of a request, model key) -> answers
+
+    async def prefetch(self, event: TrafficEvent, candidate: str, stable: str) -> None:
+        """The candidate's and the stable model's answers to the event's request, as the worker asks
+        for them (ShadowWorker._evaluate), kept for its calls. A call over budget is left to the worker."""
+        async def fetch(key: str, share: str | None) -> None:
+            try:
+                answer = await self.call(event.route, key, event.request, share=share, client_headers=event.headers)
+            except OverBudget:
+                return
+            self._fetched.setdefault((id(event.request), key), []).append(answer)
+
+        await asyncio.gather(fetch(candidate, candidate), fetch(stable, None))
+
+    def forget(self, event: TrafficEvent) -> None:
+        """Drop what the worker did not ask for of the event's request."""
+        for key in [k for k in self._fetched if k[0] == id(event.request)]:
+            del self._fetched[key]
 
     async def call(self, route: str, model_key: str, *args, **kwargs) -> ShadowCall:
+        body = args[0] if args else kwargs.get("body")
+        if fetched := self._fetched.get((id(body), model_key)):
+            return fetched.pop()
         result = await super().call(route, model_key, *args, **kwargs)
         self.calls[model_key] += 1
         self.cost_usd[model_key] = self.cost_usd.get(model_key, 0.0) + result.cost_usd
@@ -116,6 +144,32 @@ def unanswered(rr: RouteRun) -> list[Unanswered]:
             cause, n = Counter(x.cause or "unknown" for x in results).most_common(1)[0]
             out.append(Unanswered(role, model, cause, n, len(results)))
     return out
+
+
+@dataclass(frozen=True)
+class LatencyEvidence:
+    """What a route's latency comparison rests on: the cases with both latencies (candidate and stable
+    asked again, both completed), and per side the completed calls and those whose latency was
+    discarded (measured while the loop was late: collectors.worker.LoopLag)."""
+    pairs: int
+    completed: dict[str, int]
+    discarded: dict[str, int]
+
+    def as_dict(self) -> dict:
+        return {"pairs": self.pairs, "completed": self.completed, "discarded": self.discarded}
+
+
+def latency_evidence(rr: RouteRun) -> LatencyEvidence:
+    completed = {"candidate": 0, "stable": 0}
+    discarded = {"candidate": 0, "stable": 0}
+    for r in rr.records:
+        for side, x in (("candidate", r.candidate), ("stable", r.stable_again)):
+            if x is not None and x.outcome == "completed":
+                completed[side] += 1
+                discarded[side] += x.latency_s is None
+    pairs = sum(1 for r in rr.records if r.candidate.outcome == "completed" and r.candidate.latency_s is not None
+                and r.stable_latency_s is not None)   # as the judge pairs them (service.judge.evidence)
+    return LatencyEvidence(pairs, completed, discarded)
 
 
 def replay_config(config: Config, routes: set[str], candidate: str, stable: str | None,
@@ -204,8 +258,11 @@ def _fresh_reference(record: EvaluationRecord) -> None:
 
 
 async def run(cases: list[Case], config: Config, candidate: str, stable: str | None, repeats: int | None,
-              progress: Callable[[int, int], None]) -> tuple[dict[str, RouteRun], RecordingClient]:
-    """Replay every case (of those `servable` kept); `progress(done, total)` after each one."""
+              progress: Progress) -> tuple[dict[str, RouteRun], RecordingClient]:
+    """Replay every case (of those `servable` kept), in two steps: every case's candidate and stable
+    calls (`progress("answered", done, total)`), then every case's evaluation (`"evaluated"`). The
+    evaluations' work on the loop would otherwise delay the calls still in flight, and their
+    latencies would be discarded."""
     routes = {c.route for c in cases}
     cfg = replay_config(config, routes, candidate, stable, repeats)
     runs = {route: RouteRun(route, cfg.routes[route]) for route in sorted(routes)}
@@ -214,25 +271,27 @@ async def run(cases: list[Case], config: Config, candidate: str, stable: str | N
     worker = ShadowWorker(cfg, MemoryBus(), providers, evaluators=[*default_evaluators(live_is_recorded=True), checks])
     client = worker.client = RecordingClient(cfg, providers)
     version = cfg.version()
+    events = [_event(case, runs[case.route].stable, version) for case in cases]
     limit = asyncio.Semaphore(cfg.collect.concurrency)
-    done = 0
 
-    async def one(case: Case) -> None:
-        nonlocal done
-        rr = runs[case.route]
+    async def answer(event: TrafficEvent) -> None:
         async with limit:
-            record = await worker.handle(_event(case, rr.stable, version))
+            await client.prefetch(event, candidate, runs[event.route].stable)
+
+    async def evaluate(event: TrafficEvent) -> None:
+        rr = runs[event.route]
+        async with limit:
+            record = await worker.handle(event)
+        client.forget(event)
         if record is None:
             rr.skipped["shadow.max_usd_per_hour reached"] += 1
         else:
             _fresh_reference(record)
             rr.records.append(record)
-        done += 1
-        progress(done, len(cases))
 
     try:
-        progress(0, len(cases))
-        await asyncio.gather(*(one(c) for c in cases))
+        await _each("answered", events, answer, progress)
+        await _each("evaluated", events, evaluate, progress)
     finally:
         await worker.embedders.aclose()
         for provider in providers.values():
@@ -241,6 +300,21 @@ async def run(cases: list[Case], config: Config, candidate: str, stable: str | N
         rr.records.sort(key=lambda r: r.request_id)
         judge(rr, checks.stable)
     return runs, client
+
+
+async def _each(step: str, events: list[TrafficEvent], work: Callable[[TrafficEvent], Awaitable[None]],
+                progress: Progress) -> None:
+    """`work` on every event at once (each bounded by its own semaphore), with progress."""
+    done = 0
+
+    async def one(event: TrafficEvent) -> None:
+        nonlocal done
+        await work(event)
+        done += 1
+        progress(step, done, len(events))
+
+    progress(step, 0, len(events))
+    await asyncio.gather(*(one(e) for e in events))
 
 
 def judge(rr: RouteRun, stable_checks: dict[str, bool]) -> None:
@@ -290,12 +364,13 @@ def _checks_comparisons(rr: RouteRun, pairs: np.ndarray, segments: list[str]) ->
     est = res.estimate
     out = []
     for i, seg in enumerate(segments):
-        n = int(est.n_candidate[i])
-        if n == 0 or not math.isfinite(float(est.effect[i])):
+        n, n_stable, effect = int(est.n_candidate[i]), int(est.n_stable[i]), float(est.effect[i])
+        if n == 0 or not math.isfinite(effect):
             continue
         out.append(Comparison(spec=spec, segment=seg, stable=float(est.stable[i]), candidate=float(est.candidate[i]),
-                              effect=float(est.effect[i]), interval=(float(res.lo[i]), float(res.hi[i])), n=n,
-                              n_stable=int(est.n_stable[i]), verdict=int(res.verdict[i])))
+                              effect=effect, interval=(float(res.lo[i]), float(res.hi[i])), n=n,
+                              n_stable=n_stable, verdict=int(res.verdict[i]), source="shadow",
+                              parts=({"source": "shadow", "effect": effect, "n": n, "n_stable": n_stable},)))
     return out
 
 

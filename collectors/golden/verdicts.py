@@ -2,7 +2,8 @@
 
 A segment is `worse` when any comparison in it is confidently worse than its margin, `within`
 when every comparison in it is confidently within its margin, else `inconclusive` (too little
-data, or intervals that straddle a margin). The same rule reads a live rollout's report
+data, or intervals that straddle a margin); on a replayed route where the candidate or the stable
+model answered no case, every segment is `not_compared`. The same rule reads a live rollout's report
 (`GET /admin/rollouts/{route}/report`, its judge's comparisons), so the two can be set side by
 side: a segment whose offline and live verdicts differ is one the dataset no longer represents.
 """
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 WORSE, WITHIN, INCONCLUSIVE = "worse", "within", "inconclusive"
+NOT_COMPARED = "not_compared"   # replay: the candidate or the stable model answered none of the route's cases
 
 
 def per_segment(comparisons: Iterable[dict]) -> dict[str, str]:

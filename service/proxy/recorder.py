@@ -19,7 +19,7 @@ from service.proxy.formats.base import Usage, chat_output_chars, estimated_usage
 from service.proxy.outcome import Verdict
 from service.proxy.routing import session_hash
 from service.proxy.sampler import ShadowSampler
-from service.records import OutcomeEvent, PrimaryResult, Role, TrafficEvent
+from service.records import PASSTHROUGH_SEGMENT, OutcomeEvent, PrimaryResult, Role, TrafficEvent
 
 if TYPE_CHECKING:
     from service.tracing import CallSpan
@@ -149,9 +149,10 @@ class Recorder:
         if not verdict.ok:
             assert verdict.cause is not None and verdict.blame is not None  # failed() sets both
             self._failures.get(route, model, role, verdict.cause, verdict.blame).inc()
-        self._duration.get(route, model, role).observe(call.latency_s)
-        if call.ttft_s is not None:
-            self._ttft.get(route, model, role).observe(call.ttft_s)
+        if call.segment != PASSTHROUGH_SEGMENT:  # an embeddings or files call would skew the model's latency
+            self._duration.get(route, model, role).observe(call.latency_s)
+            if call.ttft_s is not None:
+                self._ttft.get(route, model, role).observe(call.ttft_s)
         if call.client_retry:
             self._client_retries.get(route, model, role).inc()
         if fresh_input:
@@ -253,13 +254,27 @@ def compiled_redactions(entries: list[str]) -> list[re.Pattern]:
 
 
 def scrub(value: object, patterns: list[re.Pattern]) -> object:
-    """`value` with every match of `patterns` in its strings (at any depth) replaced by [REDACTED]."""
+    """`value` with every match of `patterns` in its strings and keys (at any depth) replaced by
+    [REDACTED]; keys that become the same keep every value (`unique_key`)."""
     if isinstance(value, str):
         for p in patterns:
             value = p.sub("[REDACTED]", value)
         return value
     if isinstance(value, dict):
-        return {k: scrub(v, patterns) for k, v in value.items()}
+        out: dict = {}
+        for k, v in value.items():
+            out[unique_key(out, scrub(k, patterns))] = scrub(v, patterns)
+        return out
     if isinstance(value, list):
         return [scrub(v, patterns) for v in value]
     return value
+
+
+def unique_key(taken: dict, key: object) -> object:
+    """`key`, or when `taken` has it already (two keys redacted into one), `key 2`, `key 3`, …"""
+    if key not in taken or not isinstance(key, str):
+        return key
+    n = 2
+    while f"{key} {n}" in taken:
+        n += 1
+    return f"{key} {n}"
