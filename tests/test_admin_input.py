@@ -198,6 +198,22 @@ def test_with_the_variable_set_no_header_is_still_401(tmp_path, monkeypatch):
     assert r.status_code == 403 and error_of(r)["code"] == "invalid_token"
 
 
+@pytest.mark.parametrize("variable", [TOKEN + "\n", f"  {TOKEN}\r\n"])
+def test_a_token_variable_read_from_a_file_with_its_line_break_still_lets_the_operator_in(tmp_path, monkeypatch,
+                                                                                          variable):
+    """ADMIN_TOKEN="$(cat file)" keeps a CR; a secret mounted as a file ends in a newline."""
+    client = client_for(tmp_path, monkeypatch, token=variable)
+    assert client.get("/admin/rollouts", headers=AUTH).status_code == 200
+    r = client.get("/admin/rollouts", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 403 and error_of(r)["code"] == "invalid_token"
+
+
+def test_a_token_variable_of_only_whitespace_is_unset(tmp_path, monkeypatch):
+    client = client_for(tmp_path, monkeypatch, token=" \n")
+    r = client.get("/admin/rollouts", headers={"Authorization": "Bearer "})
+    assert r.status_code == 403 and error_of(r)["code"] == "admin_token_not_set"
+
+
 # ---- route names with '/' ------------------------------------------------------------------------------
 
 SLASHED = "acme/support-bot"

@@ -1,13 +1,18 @@
 """Bad flag values end in one line on stderr naming the flag and the value, and exit 2 (bad input),
-never a traceback: malformed URLs (admin commands, capture --url, replay --against-report) and a
-capture --out that cannot be written (checked before any traffic is fetched)."""
+never a traceback: malformed URLs (admin commands, capture --url, replay --against-report, dashboards
+push --grafana-url, whose password is never shown), an admin token no HTTP header can carry, and a
+capture --out that cannot be written (checked before any traffic is fetched). Client keys that name
+no route are a config error."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from collectors.golden import dataset
-from tests.fixtures.servers import free_port, proxy_config, write_yaml
+from tests.fixtures.servers import canned_upstream, free_port, proxy_config, write_yaml
 
 BAD_URLS = [("notaurl", "is not an http(s) URL"), ("http://[::1", "Invalid IPv6 URL"),
             ("ftp://example.org", "is not an http(s) URL"), ("http://127.0.0.1:port", "is not a URL")]
@@ -155,3 +160,82 @@ def test_dashboards_build_into_a_place_it_cannot_write_says_so_in_one_line(capsy
     code, _, err = run(capsys, ["dashboards", "build", "--out", str(blocker)])
     assert code == 1
     one_error_line(err, f"error: --out {blocker}: cannot write there")
+
+
+# ---- dashboards push: the Grafana URL --------------------------------------------------------------------
+
+GRAFANA_PASSWORD = "pw-" + "9f3c1e"
+
+
+@pytest.mark.parametrize(("url", "why"), [*BAD_URLS, ("http://127.0.0.1:99999", "is not a URL"),
+                                          (f"http://admin:{GRAFANA_PASSWORD}@127.0.0.1:port", "is not a URL")])
+def test_dashboards_push_refuses_a_malformed_grafana_url(capsys, url, why):
+    code, _, err = run(capsys, ["dashboards", "push", "--grafana-url", url])
+    assert code == 2
+    one_error_line(err, "error: --grafana-url: ")
+    assert why in err and "http://HOST:PORT" in err
+    assert GRAFANA_PASSWORD not in err
+
+
+def test_dashboards_push_never_prints_the_grafana_password(capsys):
+    """README's `http://user:pass@host:3000`: the password is used, and shown nowhere (an error or
+    the success lines end up in CI logs)."""
+    nowhere = f"http://admin:{GRAFANA_PASSWORD}@127.0.0.1:{free_port()}"
+    code, out, err = run(capsys, ["dashboards", "push", "--grafana-url", nowhere])
+    assert code == 1
+    one_error_line(err, "error: cannot reach Grafana at http://***@127.0.0.1:")
+    assert GRAFANA_PASSWORD not in out + err
+
+    with canned_upstream(b"{}") as (url, seen):
+        grafana = url.replace("http://", f"http://admin:{GRAFANA_PASSWORD}@")
+        code, out, err = run(capsys, ["dashboards", "push", "--grafana-url", grafana])
+    assert code == 0, err
+    assert "pushed modelcanary-rollout to http://***@127.0.0.1:" in out, out
+    assert GRAFANA_PASSWORD not in out + err
+    assert all(h.get("authorization", "").startswith("Basic ") for h in seen), seen  # the password was used
+
+
+# ---- the admin token: what an HTTP header can carry ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("given", "source", "why"), [
+    ({"--token": "тест"}, "--token", "outside Latin-1"),
+    ({"--token": "sekrit\ntoken"}, "--token", "control character"),
+    ({"env": "sekrit\rtoken"}, "MODELCANARY_ADMIN_TOKEN", "control character"),
+])
+@pytest.mark.parametrize("command", [["status"], ["report", "support-bot"], ["promote", "support-bot"]])
+def test_an_admin_token_no_header_can_carry_is_refused_before_asking(capsys, monkeypatch, command, given, source,
+                                                                     why):
+    """Nothing is sent, so the operator knows the action did not happen: exit 2 naming where the token
+    came from (never the token), not 'the answer is not JSON'."""
+    monkeypatch.setenv("MODELCANARY_ADMIN_TOKEN", given.get("env", "unused"))
+    flag = ["--token", given["--token"]] if "--token" in given else []
+    with canned_upstream(b"{}") as (url, seen):
+        code, _, err = run(capsys, [*command, "--url", url, *flag])
+    assert code == 2, err
+    one_error_line(err, f"error: {source}: ")
+    assert why in err and seen == []
+    assert "тест" not in err and "sekrit" not in err
+
+
+# ---- client keys name routes that exist ------------------------------------------------------------------
+
+
+def test_check_config_and_serve_refuse_a_client_key_for_a_route_that_does_not_exist(capsys, monkeypatch, tmp_path):
+    """A misspelt route would give that client 403 on every call: refused up front, naming the
+    variable, the entry and the name (never the key)."""
+    cfg = proxy_config("http://127.0.0.1:9")
+    cfg["server"] = {"client_keys_env": "MC_TEST_KEYS"}
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    monkeypatch.setenv("MC_TEST_KEYS", "sk-teamA-secret=support-bot;sk-teamB-secret=suport-bot,candidate-m")
+    code, out, err = run(capsys, ["check-config", str(path)])
+    expected = ("server.client_keys_env: entry 2 of environment variable 'MC_TEST_KEYS' names 'suport-bot', "
+                "which is neither a route nor a model")
+    assert code == 1 and expected in err, out + err
+    assert "secret" not in out + err
+    served = subprocess.run([sys.executable, "-m", "modelcanary", "serve", "--config", str(path), "--port", "0"],
+                            capture_output=True, text=True, timeout=30)
+    assert served.returncode == 1 and expected in served.stderr, served.stderr
+    assert "secret" not in served.stdout + served.stderr
+    monkeypatch.setenv("MC_TEST_KEYS", "sk-teamA-secret=support-bot,stable-m;sk-ops-secret=*")
+    assert run(capsys, ["check-config", str(path)])[0] == 0

@@ -198,6 +198,30 @@ def test_operator_actions_on_one_segment():
         book.operate("bot", "promote", segment="chat")
 
 
+def test_an_operator_promote_that_ends_a_segment_is_a_promote():
+    """As the judge's step past the last step and the route-scope operator's: the segment's decision,
+    the route's and the decisions counter say `promote`, not `step`."""
+    from service import metrics
+
+    book = RolloutBook(config())
+
+    def counted(decision: str) -> float:
+        return metrics.rollout_decisions_total.labels("bot", decision)._value.get()
+
+    book.operate("bot", "promote", segment="chat")  # another segment still deciding: the route goes on
+    before = {d: counted(d) for d in ("step", "promote")}
+    for _ in range(2):  # shadow → 10% → 50%
+        state = book.operate("bot", "promote", segment="json")
+        assert state.segments["json"].last_decision.decision == "step"
+    state = book.operate("bot", "promote", segment="json")
+    json_seg = state.segments["json"]
+    assert json_seg.phase == "promoted" and json_seg.last_decision.decision == "promote"
+    assert json_seg.last_decision.by == "operator" and state.last_decision.decision == "promote"
+    assert (counted("step") - before["step"], counted("promote") - before["promote"]) == (2, 1)
+    state = book.operate("bot", "promote")  # chat 10% → 50%: a step; json has ended
+    assert state.last_decision.decision == "step"
+
+
 def test_a_segment_paused_and_resumed_keeps_its_steps_samples_and_clock():
     """DESIGN §9 per segment: the step's candidate outcomes and time count from when the step began,
     through a pause and its resume (each still its own evidence window)."""

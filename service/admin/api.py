@@ -34,7 +34,7 @@ def admin_router(runtime: Runtime) -> APIRouter:  # noqa: C901 - counts its nest
         header = request.headers.get("authorization")
         client = request.client.host if request.client else "-"
         variable = runtime.config.server.admin_token_env
-        expected = os.environ.get(variable)
+        expected = (os.environ.get(variable) or "").strip()  # a token file's trailing newline is no part of it
         if not expected:
             audit.warning("refused admin call %s %s: %s is not set client=%s", request.method, request.url.path,
                           variable, client)

@@ -2,18 +2,21 @@
 
 Each function returns the process exit code: 0 on success, 1 with a one-line
 error on stderr for anything the operator can fix (unreachable URL, missing or
-wrong token, unknown route, a transition the phase does not allow), 2 for a
-`--url` that is not an http(s) URL (bad input, as argparse's own errors).
+wrong token, unknown route, a transition the phase does not allow, a server that
+is no modelcanary admin API), 2 for a `--url` that is not an http(s) URL or a
+token no HTTP header can carry (bad input, as argparse's own errors: nothing was sent).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -21,6 +24,9 @@ from rich.table import Table
 from rich.text import Text
 
 TIMEOUT_S = 10.0
+TOKEN_ENV = "MODELCANARY_ADMIN_TOKEN"
+TERMINAL = ("promoted", "rolled_back", "partial")
+JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 VERDICT_STYLE = {"worse": "bold red", "within": "green", "inconclusive": "yellow"}
 DECISION_STYLE = {"rollback": "bold red", "promote": "bold green", "step": "green", "hold": "yellow"}
 PHASE_STYLE = {"rolled_back": "bold red", "promoted": "bold green", "canary": "cyan", "shadow": "blue",
@@ -35,6 +41,12 @@ class AdminError(Exception):
 
 class BadURLError(AdminError):
     """A URL flag that is not an http(s) URL: bad input, nothing was asked."""
+
+    exit_code = 2
+
+
+class BadTokenError(AdminError):
+    """An admin token that no HTTP header can carry: bad input, nothing was sent."""
 
     exit_code = 2
 
@@ -54,16 +66,34 @@ def check_url(flag: str, url: str) -> str:
     return url
 
 
+def check_token(token: str | None) -> str | None:
+    """`token` without surrounding whitespace (a token file's line break), None when nothing is left;
+    BadTokenError naming where it came from (never its value) when an HTTP header cannot carry it."""
+    if token is None or not (stripped := token.strip()):
+        return None
+    at, char = next(((i, c) for i, c in enumerate(stripped) if ord(c) > 255 or not c.isprintable()), (-1, ""))
+    if not char:
+        return stripped
+    source = TOKEN_ENV if os.environ.get(TOKEN_ENV) == token else "--token"  # the variable is --token's default
+    what = "a character outside Latin-1" if ord(char) > 255 else f"a control character (U+{ord(char):04X})"
+    raise BadTokenError(f"{source}: the admin token holds {what} at position {at + 1}, which an HTTP header "
+                        "cannot carry; nothing was sent: give the token the proxy's admin token variable holds")
+
+
 def _request(method: str, url: str, path: str, token: str | None, flag: str = "--url",
-             token_hint: str = "pass --token or set MODELCANARY_ADMIN_TOKEN") -> Any:
+             token_hint: str = f"pass --token or set {TOKEN_ENV}",
+             shape: Callable[[dict], bool] = lambda body: True) -> dict[str, Any]:
+    """The answer's JSON object; AdminError (naming what was asked) for an HTTP error, an unreachable
+    URL, or an answer that is no JSON object or fails `shape`: a server that is no modelcanary admin API."""
     full = check_url(flag, url).rstrip("/") + path
+    token = check_token(token)
     req = urllib.request.Request(full, method=method, data=b"" if method == "POST" else None)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     req.add_header("Accept", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
-            return json.loads(resp.read() or b"null")
+            raw = resp.read()
     except urllib.error.HTTPError as e:
         message = _error_message(e)
         hint = ""
@@ -74,8 +104,39 @@ def _request(method: str, url: str, path: str, token: str | None, flag: str = "-
         raise AdminError(f"cannot reach {full}: {e.reason}") from None
     except (TimeoutError, OSError) as e:
         raise AdminError(f"cannot reach {full}: {e}") from None
+    body, what = _json_object(raw)
+    if body is None or not shape(body):
+        what = what or "a JSON object of another shape"
+        raise AdminError(f"{method} {full}: {what}: {url.rstrip('/')} is not a modelcanary admin API")
+    return body
+
+
+def _json_object(raw: bytes) -> tuple[dict[str, Any] | None, str]:
+    """The answer's JSON object, else None and what the answer is instead."""
+    try:
+        body = json.loads(raw)
     except ValueError:
-        raise AdminError(f"{method} {full}: the answer is not JSON") from None
+        return None, "an empty answer" if not raw.strip() else "an answer that is not JSON"
+    if not isinstance(body, dict):
+        return None, f"a JSON {JSON_TYPES.get(type(body), 'value')}, not an object"
+    return body, ""
+
+
+def _is_state(body: object) -> bool:
+    """A rollout state as the admin API gives it: a route's, with its segments' (rollout.scope segment)."""
+    if not isinstance(body, dict) or not isinstance(body.get("route"), str):
+        return False
+    segments = body.get("segments") or {}
+    return isinstance(segments, dict) and all(isinstance(seg, dict) for seg in segments.values())
+
+
+def _is_state_list(body: dict) -> bool:
+    rollouts = body.get("rollouts")
+    return isinstance(rollouts, list) and all(_is_state(s) for s in rollouts)
+
+
+def _is_report(body: dict) -> bool:
+    return _is_state(body.get("state")) and isinstance(body.get("report") or {}, dict)
 
 
 def _error_message(e: urllib.error.HTTPError) -> str:
@@ -109,9 +170,9 @@ def _console() -> Console:
 def status(url: str, token: str | None, route: str | None = None) -> int:
     try:
         if route:
-            states = [_request("GET", url, f"/admin/rollouts/{_q(route)}", token)]
+            states = [_request("GET", url, f"/admin/rollouts/{_q(route)}", token, shape=_is_state)]
         else:
-            states = _request("GET", url, "/admin/rollouts", token).get("rollouts", [])
+            states = _request("GET", url, "/admin/rollouts", token, shape=_is_state_list)["rollouts"]
     except AdminError as e:
         return _fail(e)
     _console().print(status_table(states))
@@ -194,11 +255,15 @@ def _step_text(s: dict) -> str:
 
 def act(url: str, token: str | None, route: str, action: str, segment: str | None = None) -> int:
     query = f"?segment={_q(segment)}" if segment is not None else ""  # an empty one: the server's 400
+
+    def acted_on(body: dict) -> bool:
+        return _is_state(body) and (not segment or isinstance((body.get("segments") or {}).get(segment), dict))
+
     try:
-        state = _request("POST", url, f"/admin/rollouts/{_q(route)}/{_q(action)}{query}", token)
+        state = _request("POST", url, f"/admin/rollouts/{_q(route)}/{_q(action)}{query}", token, shape=acted_on)
     except AdminError as e:
         return _fail(e)
-    shown = (state.get("segments") or {}).get(segment) if segment else state
+    shown = state["segments"][segment] if segment else state
     where = f"{route} segment {segment}" if segment else route
     print(f"{where}: {action} → phase {shown.get('phase')}, weight {100 * _candidate_share(shown):.0f}%, "
           f"step {_step_text(shown)}" + (f" ({shown['candidate']})" if shown.get("candidate") else ""))
@@ -208,11 +273,11 @@ def act(url: str, token: str | None, route: str, action: str, segment: str | Non
 # ---- report -------------------------------------------------------------------------------------------
 
 def get_report(url: str, token: str | None, route: str, flag: str = "--url",
-               token_hint: str = "pass --token or set MODELCANARY_ADMIN_TOKEN") -> dict:
+               token_hint: str = f"pass --token or set {TOKEN_ENV}") -> dict:
     """`GET /admin/rollouts/{route}/report`: {"route", "state", "report"}; AdminError when it fails
-    (BadURLError, naming `flag`, when `url` is not an http(s) URL; `token_hint` says where a missing
-    token goes)."""
-    return _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token, flag, token_hint)
+    (BadURLError, naming `flag`, when `url` is not an http(s) URL; BadTokenError for a token no header
+    can carry; `token_hint` says where a missing token goes)."""
+    return _request("GET", url, f"/admin/rollouts/{_q(route)}/report", token, flag, token_hint, shape=_is_report)
 
 
 def report(url: str, token: str | None, route: str, as_json: bool = False) -> int:
@@ -230,6 +295,8 @@ def report(url: str, token: str | None, route: str, as_json: bool = False) -> in
     if not rep:
         console.print("no report yet: the controller has not judged this route (no candidate, or no evidence yet)")
         return 0
+    ended = state.get("phase") in TERMINAL
+    console.print(_report_heading(rep, state.get("phase") if ended else None))
     judge_part = rep.get("judge") or {}
     shadow = rep.get("shadow")
     if shadow:
@@ -243,9 +310,21 @@ def report(url: str, token: str | None, route: str, as_json: bool = False) -> in
     if judge_part.get("comparisons"):
         console.print(judge_table(judge_part))
     if judge_part.get("decision"):
-        console.print(Text.assemble(("judge: ", "bold"), _decision_text(
+        label = "judge (last before the rollout ended): " if ended else "judge: "
+        console.print(Text.assemble((label, "bold"), _decision_text(
             {"decision": judge_part["decision"], "reasons": judge_part.get("reasons", [])})))
     return 0
+
+
+def _report_heading(rep: dict, ended: str | None) -> Text:
+    """How old the report is and the phase it was made in; `ended`: the phase the rollout has ended in
+    since, so that the report's judgement is not read as today's."""
+    text = Text(f"report generated {_ago(rep.get('generated_at'))}, in phase {rep.get('phase', '?')}", style="dim")
+    if ended:
+        since = "" if rep.get("phase") == ended else " since"
+        text.append(f"; the rollout has ended ({ended}){since}: the judgement below is the last before it ended",
+                    style="bold")
+    return text
 
 
 def _shadow_tables(summary: dict) -> list:

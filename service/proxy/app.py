@@ -144,6 +144,7 @@ class Runtime:
         # memory mode: the embedded controller's; Kafka mode: for the operator actions this replica takes
         # (the leader, if any, notifies its own decisions)
         self.notifier = Notifier(config.notify.webhook_url)
+        self.controller: Controller | None = None  # memory mode: the embedded one, from `start`
 
     def _publish_rollout(self, state: RolloutState) -> None:
         self.bus.publish("rollouts", state)
@@ -155,7 +156,7 @@ class Runtime:
             self.tasks.append(asyncio.create_task(follow(bus, self.book, self.stop, self.caught_up), name="rollouts"))
             self._follow_owners()
         else:
-            controller = Controller(self.config, self.bus, self.book, self.notifier)
+            controller = self.controller = Controller(self.config, self.bus, self.book, self.notifier)
             if self.recent_traffic is not None:
                 self.tasks.append(asyncio.create_task(self.recent_traffic.run(self.bus, self.stop),
                                                       name="recent-traffic"))
@@ -400,8 +401,11 @@ async def _feedback(runtime: Runtime, request: Request) -> Response:  # noqa: C9
         match = {"request_id": request_id} if request_id is not None else {"session_id": session_id}
         found = runtime.recorder.served(request_id, session_id)
         kafka = runtime.config.events.backend == "kafka"
-        if found is None and not kafka:
-            metrics.feedback_unmatched_total.labels(unmatched_route(allowed)).inc()
+        if found is None and not kafka:  # counted where Kafka mode's controller counts what never matched
+            label = unmatched_route(allowed)
+            metrics.feedback_unmatched_total.labels(label).inc()
+            if runtime.controller is not None:
+                runtime.controller.feedback.unmatched[label] += 1  # the report's feedback section
             raise BadRequest(404, "no recent request with that request_id or session_id on this proxy",
                              param="request_id", code="request_not_found")
         if found is not None and allowed is not None and "*" not in allowed and found[1].route not in allowed:

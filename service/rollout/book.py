@@ -304,10 +304,12 @@ class RolloutBook:
         names = [segment] if segment is not None else list(state.segments)
         new = dict(state.segments)
         errors = []
+        acted: list[LastDecision] = []
         for name in names:
             try:
                 new[name] = segments.transition(state, name, segments.joined(state, rc, name), action, decision,
                                                 rc.rollout.steps, now)
+                acted.append(new[name].last_decision or decision)
             except TransitionError as e:
                 if segment is not None:
                     raise
@@ -315,8 +317,8 @@ class RolloutBook:
         if new == state.segments:
             why = "; ".join(errors) or "no segment has joined the rollout yet (a segment joins with its first traffic)"
             raise TransitionError(f"route {state.route!r}: nothing to {action}: {why}")
-        return _summarised(state.model_copy(update={"segments": new, "last_decision": decision, "since": now,
-                                                    "version": state.version + 1}))
+        return _summarised(state.model_copy(update={"segments": new, "last_decision": segments.strongest(acted),
+                                                    "since": now, "version": state.version + 1}))
 
     def _transition(self, state: RolloutState, action: Action, decision: LastDecision) -> RolloutState:  # noqa: C901 - the phase machine as one table: a branch per action
         steps = self._config.routes[state.route].rollout.steps
@@ -370,7 +372,7 @@ class RolloutBook:
     def _set(self, state: RolloutState) -> None:
         self.states[state.route] = state
         self.routing[state.route] = split_of(state)
-        metrics.set_rollout(state.route, state.stable, state.phase, candidate_share(state))
+        metrics.set_rollout(state.route, state.stable, state.candidates, state.phase, candidate_share(state))
         for name, seg in state.segments.items():
             metrics.set_segment_rollout(state.route, name, seg.phase, seg.canary_weight)
 

@@ -54,14 +54,7 @@ def transition(state: RolloutState, name: str, seg: SegmentState, action: Action
         raise TransitionError(f"{where} is {seg.phase}; name new candidates in the config and reload")
     update: dict = {"last_decision": decision, "recommendation": None}
     if action == "promote":
-        if seg.phase == "paused":
-            raise TransitionError(f"{where} is paused; resume it first")
-        if seg.candidate is None:
-            pick = next(iter([*seg.passed, *(c for c in candidates_of(state) if c not in seg.rejected)]), None)
-            if pick is None:
-                raise TransitionError(f"{where}: every candidate is ruled out here")
-            update |= {"candidate": pick, "selected": f"{decision.by}: {'passed shadow first' if seg.passed else 'first not ruled out'}"}
-        update |= _forward(seg.step_index, steps) | {"since": now}
+        update |= _promote(state, where, seg, decision, steps) | {"since": now}
     elif action == "pause":
         if seg.phase == "paused":
             raise TransitionError(f"{where} is already paused")
@@ -75,6 +68,24 @@ def transition(state: RolloutState, name: str, seg: SegmentState, action: Action
         update |= {"phase": "rolled_back", "canary_weight": 0.0, "candidate": None, "paused_from": None,
                    "passed": [], "rejected": {**seg.rejected, **out}, "since": now}
     return seg.model_copy(update=update)
+
+
+def _promote(state: RolloutState, where: str, seg: SegmentState, decision: LastDecision,
+              steps: list[float]) -> dict:
+    """An operator's promote of one segment: one step on, a candidate picked out of shadow; past the
+    last step it is recorded as a `promote`, as the judge's (`apply`)."""
+    if seg.phase == "paused":
+        raise TransitionError(f"{where} is paused; resume it first")
+    update: dict = {}
+    if seg.candidate is None:
+        pick = next(iter([*seg.passed, *(c for c in candidates_of(state) if c not in seg.rejected)]), None)
+        if pick is None:
+            raise TransitionError(f"{where}: every candidate is ruled out here")
+        update |= {"candidate": pick, "selected": f"{decision.by}: {'passed shadow first' if seg.passed else 'first not ruled out'}"}
+    update |= _forward(seg.step_index, steps)
+    if update["phase"] == "promoted":
+        update["last_decision"] = decision.model_copy(update={"decision": "promote"})
+    return update
 
 
 def _forward(step_index: int, steps: list[float]) -> dict:
@@ -130,6 +141,11 @@ def moved(old: SegmentState | None, new: SegmentState) -> bool:
     if old is None:
         return new.phase != "shadow"
     return (old.phase, old.step_index, old.candidate) != (new.phase, new.step_index, new.candidate)
+
+
+def strongest(decisions: list[LastDecision]) -> LastDecision:
+    """The most severe of one operator action's decisions on several segments (a promote over a step)."""
+    return max(decisions, key=lambda d: SEVERITY[d.decision])
 
 
 def combined(decisions: list[LastDecision], now: float) -> LastDecision | None:
