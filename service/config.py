@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -63,22 +64,30 @@ class ServerConfig(Strict):
     client_keys_env: EnvName | None = None
 
 
-def client_keys_problem(server: ServerConfig) -> str | None:
-    """Why `server.client_keys_env` gives the proxy no usable client key, or None. Read like the
-    proxy reads it (`key1=route-a,route-b;key2=*`); the message never carries a value."""
-    variable = server.client_keys_env
+def client_keys_problem(config: Config) -> str | None:
+    """Why `server.client_keys_env` gives the proxy no usable client key, or names a route that is
+    none of the config's (its client would get 403 on every call), or None. Read like the proxy reads
+    it (`key1=route-a,route-b;key2=*`); the message never carries a key."""
+    variable = config.server.client_keys_env
     if not variable:
         return None
     spec = os.environ.get(variable)
     if spec is None:
         return f"server.client_keys_env: environment variable {variable!r} is not set"
-    keys = [entry.partition("=")[0].strip() for entry in spec.split(";") if entry.strip()]
-    if not keys:
+    entries = [entry.partition("=") for entry in spec.split(";") if entry.strip()]
+    if not entries:
         return (f"server.client_keys_env: environment variable {variable!r} holds no keys "
                 "(expected key1=route-a,route-b;key2=*)")
-    if "" in keys:  # a request with no Authorization header would match it
-        return (f"server.client_keys_env: entry {keys.index('') + 1} of environment variable {variable!r} "
-                "has no key before '='")
+    for n, (key, _, routes) in enumerate(entries, 1):
+        entry = f"server.client_keys_env: entry {n} of environment variable {variable!r}"
+        if not key.strip():  # a request with no Authorization header would match it
+            return f"{entry} has no key before '='"
+        names = (r.strip() for r in routes.split(","))
+        unknown = next((r for r in names if r and r != "*" and r not in config.routes and r not in config.models),
+                       None)
+        if unknown is not None:
+            return (f"{entry} names {unknown[:100]!r}, which is neither a route nor a model of this config "
+                    f"(routes: {', '.join(config.routes)})")
     return None
 
 
@@ -153,10 +162,18 @@ def port_number(text: str) -> int:
     return int(text)
 
 
+# Checking a schema costs ~0.2 ms per property, on the proxy's loop: larger ones are not checked
+# (service.proxy.verifiers), so a configured check may not be larger. 32 KiB is some 400 properties.
+MAX_SCHEMA_CHARS = 32 * 1024
+
+
 def valid_schema(v: dict | None) -> dict | None:
     """A JSON schema field's value, or ValueError saying why it is not a schema (a check with an
     unusable schema would pass everything)."""
     if v is not None:
+        if len(json.dumps(v, sort_keys=True)) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"a JSON schema over {MAX_SCHEMA_CHARS // 1024} KiB is not checked (its cost is "
+                             "the proxy's); split the check or make it smaller")
         try:
             Draft202012Validator.check_schema(v)
         except SchemaError as e:
@@ -650,7 +667,7 @@ def environment_problems(config: Config, proxy: bool) -> list[str]:
                 problems.append(str(e))
         if (codec := kafka.compression_problem()) is not None:
             problems.append(codec)
-    if proxy and (client_keys := client_keys_problem(config.server)) is not None:
+    if proxy and (client_keys := client_keys_problem(config)) is not None:
         problems.append(client_keys)
     return problems
 

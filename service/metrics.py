@@ -34,11 +34,12 @@ failures_total = Counter(
     ["route", "model", "role", "cause", "blame"],
 )
 request_duration = Histogram(
-    "modelcanary_request_duration_seconds", "End-to-end request duration as the client saw it.",
+    "modelcanary_request_duration_seconds", "End-to-end request duration as the client saw it (model "
+    "requests: pass-through endpoints such as embeddings are not included).",
     ["route", "model", "role"], buckets=DURATION_BUCKETS,
 )
 time_to_first_token = Histogram(
-    "modelcanary_time_to_first_token_seconds", "Time to the first streamed chunk.",
+    "modelcanary_time_to_first_token_seconds", "Time to the first streamed chunk (model requests only).",
     ["route", "model", "role"], buckets=TTFT_BUCKETS,
 )
 upstream_retries_total = Counter(
@@ -164,10 +165,11 @@ class LabelCache(Generic[M]):
         return child
 
 
-def count_queue_full(topic: str, record: object) -> None:
-    """A record the bus had no room for; a sampled request lost this way is also a shadow drop."""
+def count_queue_full(topic: str, record: object, shadow: bool = True) -> None:
+    """A record the bus had no room for; a sampled request lost this way to the shadow workers (`shadow`:
+    the full queue was theirs, or the one every record goes through) is also a shadow drop."""
     events_dropped_total.labels(topic, "queue_full").inc()
-    if topic == "traffic":
+    if topic == "traffic" and shadow:
         shadow_dropped_total.labels(getattr(record, "route", "unknown"), "queue_full").inc()
 
 
@@ -177,12 +179,19 @@ ALERTED_SHADOW_DROPS = ("queue_full", "error", "stopped")
 EVENT_DROP_REASONS = ("queue_full", "spool_full", "spool_error", "bad_record", "too_large", "closed")
 
 
-def set_rollout(route: str, stable: str, phase: str, weight: float) -> None:
-    for decision in ("step", "hold", "promote", "rollback"):
-        rollout_decisions_total.labels(route, decision)  # start at 0, so increase() sees the first one
+def shadow_drops_from_zero(route: str) -> None:
+    """The alerted shadow-drop series of a route at 0, so that increase() sees the first drop."""
     for reason in ALERTED_SHADOW_DROPS:
         shadow_dropped_total.labels(route, reason)
+
+
+def set_rollout(route: str, stable: str, candidates: list[str], phase: str, weight: float) -> None:
+    for decision in ("step", "hold", "promote", "rollback"):
+        rollout_decisions_total.labels(route, decision)  # start at 0, so increase() sees the first one
+    shadow_drops_from_zero(route)
     failures_total.labels(route, stable, "stable", "proxy_error", "proxy")
+    for candidate in candidates:
+        failures_total.labels(route, candidate, "canary", "proxy_error", "proxy")
     rollout_canary_weight.labels(route).set(weight)
     for p in PHASES:
         rollout_phase.labels(route, p).set(1.0 if p == phase else 0.0)

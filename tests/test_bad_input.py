@@ -215,6 +215,53 @@ def test_body_over_the_limit_is_413_and_under_it_is_served(stack):
         assert openai_error(raw)["code"] == "context_length_exceeded"
 
 
+def test_a_body_that_stops_coming_is_let_go_with_a_408(stack):
+    """Slow-loris on the body: the head came, then part of the body, then nothing. The connection (and
+    the part read) is let go after HEAD_TIMEOUT_S without a byte, on the chat route (below ASGI) and
+    on the others; other clients are served meanwhile."""
+    from service.proxy.server import HEAD_TIMEOUT_S
+
+    proxy, _ = stack
+    stalled = []
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        s = socket.create_connection(("127.0.0.1", proxy.port), timeout=3 * HEAD_TIMEOUT_S + 10)
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                  b'{"model": "support-bot", "messages": [' % path.encode())
+        stalled.append(s)
+    body = json.dumps({"model": ROUTE, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _, elapsed = request(proxy, "POST", "/v1/chat/completions", body)
+    assert status == 200 and elapsed < HEAD_TIMEOUT_S
+    for s in stalled:
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        s.close()
+        head, _, raw = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), data[:200]
+        assert openai_error(raw)["code"] == "request_timeout"
+
+
+def test_a_schema_nested_deeper_than_the_checker_goes_is_not_a_proxy_error(stack):
+    """A client's `json_schema` (or tool `parameters`) nested 200 levels: unusable for the check, so
+    not held against the model, and never the proxy's 500 after the upstream was paid."""
+    proxy, _ = stack
+    schema: dict = {"type": "string"}
+    for _ in range(200):
+        schema = {"type": "array", "items": schema}
+    before = metric_value(scrape(proxy.url), "modelcanary_failures_total", cause="proxy_error")
+    for stream in (False, True):
+        body = {"model": ROUTE, "messages": [{"role": "user", "content": "a list"}], "stream": stream,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+        status, raw, _ = request(proxy, "POST", "/v1/chat/completions", json.dumps(body).encode())
+        assert status == 200 and b"proxy_error" not in raw, raw[-300:]
+    status, raw, _ = request(proxy, "POST", "/v1/chat/completions", json.dumps({
+        "model": ROUTE, "messages": [{"role": "user", "content": "call it"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": schema}}}}]}).encode())
+    assert status == 200 and b"proxy_error" not in raw, raw[-300:]
+    assert metric_value(scrape(proxy.url), "modelcanary_failures_total", cause="proxy_error") == before
+
+
 def test_messages_list_of_100k_items(stack):
     proxy, _ = stack
     body = json.dumps({"model": ROUTE, "messages": [{"role": "user", "content": f"m{i}"} for i in range(100_000)]})

@@ -218,6 +218,48 @@ def test_a_refused_request_waits_for_the_answers_pipelined_before_it():
     asyncio.run(go())
 
 
+async def echo_length(scope, receive, send) -> None:
+    """Reads the whole body, then answers its length."""
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = str(size).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_a_body_that_stalls_ends_in_a_408_and_one_that_keeps_coming_is_served():
+    """The head timer watches the body too: no period without a byte of it, or the connection (and
+    the body read so far) is let go with a 408."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        protocol, theirs = await connected(echo_length)
+        protocol.head_timeout_s = 0.3
+        protocol._cancel_head_timer()  # the one connection_made armed, with the default period
+        await loop.sock_sendall(theirs, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"a" * 10)
+        stalled = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
+        assert stalled.startswith(b"HTTP/1.1 408") and b"request body stalled" in stalled, stalled
+        assert await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5) == b""  # closed
+        theirs.close()
+
+        protocol, theirs = await connected(echo_length)
+        protocol.head_timeout_s = 0.3
+        protocol._cancel_head_timer()
+        await loop.sock_sendall(theirs, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+        for _ in range(10):  # 1 s in all, a byte every 0.1 s
+            await asyncio.sleep(0.1)
+            await loop.sock_sendall(theirs, b"a")
+        served = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
+        assert served.startswith(b"HTTP/1.1 200") and served.endswith(b"\r\n\r\n10"), served
+        theirs.close()
+
+    asyncio.run(go())
+
+
 def test_a_whole_response_goes_out_in_one_send_and_a_streams_head_at_once():
     """JoinedHead: uvicorn writes a response's head and body apart; the proxy sends them together,
     but never holds a head back while the body is not there yet (a stream before its first event)."""

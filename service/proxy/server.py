@@ -37,14 +37,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("modelcanary.serve")
 
 MAX_HEAD_BYTES = 64 * 1024   # request line + headers; more is refused with 431
-HEAD_TIMEOUT_S = 10.0        # a connection must finish a request's headers this soon (slow-loris)
+HEAD_TIMEOUT_S = 10.0        # a connection must finish a request's headers this soon (slow-loris), and
+                             # its body must not stall this long
 CHAT_URL = CHAT_PATH.encode()
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the two limits it lacks: the size of a request head
-    (unbounded otherwise: a client could send gigabytes of headers) and the time to send it
-    (a slow-loris client could hold a connection forever)."""
+    """uvicorn's httptools protocol with the limits it lacks: the size of a request head (unbounded
+    otherwise: a client could send gigabytes of headers), the time to send it, and a body that stops
+    coming (a slow-loris client could hold a connection, and the body read so far, forever). The one
+    timer runs from a request's first byte until its body has come."""
 
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
@@ -55,6 +57,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0      # the request line and the headers ended so far
         self._unended_bytes = 0   # bytes read since the last header ended, while none did (one long header)
         self._in_head = False
+        self._in_body = False     # the head has come and the body not yet: the timer watches it come
+        self._body_bytes = 0      # of the request's body, so far
+        self._body_mark = 0       # _body_bytes when the timer last fired
         self._refused = False
         self._refusal: bytes | None = None  # the refusal's bytes, held while earlier answers go out
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.head_timeout_s, self._head_timeout)
@@ -99,10 +104,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._cancel_head_timer()
         self._in_head = False
         if self._refused:
             return
+        self._in_body = True
+        self._body_bytes = self._body_mark = 0
         if self._answerer is not None and self.url == CHAT_URL and self.parser.get_method() == b"POST":
             cycle = self._chat_cycle(self._answerer)
             if cycle is not None:
@@ -136,9 +142,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
+            self._body_bytes += len(body)
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
+        self._cancel_head_timer()
         if not self._refused:
             super().on_message_complete()
 
@@ -159,11 +168,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
+        if self._in_body:
+            self._body_timeout()
+            return
         if self.cycle is not None and not self.cycle.response_complete:  # a response is still going out
             self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timeout)
             return
         if not self.transport.is_closing():
             self._refuse(408, f"request headers not received within {self.head_timeout_s:g} s", "request_timeout")
+
+    def _body_timeout(self) -> None:
+        """A body that came on, or waits for us (reading paused, queued behind a pipelined request),
+        gets another period; one that stalled ends the connection, with a 408 unless an answer began."""
+        if self._body_bytes > self._body_mark or self.flow.read_paused or self.pipeline:
+            self._body_mark = self._body_bytes
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timeout)
+            return
+        self._in_body = False
+        self._refused = True
+        cycle = self.cycle
+        if isinstance(cycle, ChatCycle) or (cycle is not None and not cycle.response_started):
+            body = error_body(408, f"request body stalled for {self.head_timeout_s:g} s", "request_timeout",
+                              type_="invalid_request_error")
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:

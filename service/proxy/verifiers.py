@@ -2,32 +2,48 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-from functools import lru_cache
+from collections import OrderedDict
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from referencing.exceptions import Unresolvable
 
+from service.config import MAX_SCHEMA_CHARS  # larger ones (a client's to choose) are not checked
 
-@lru_cache(maxsize=512)
+VALIDATORS = 128  # compiled schemas kept, the least recently used forgotten first
+_validators: OrderedDict[bytes, Draft202012Validator | None] = OrderedDict()
+
+
 def _validator(schema_json: str) -> Draft202012Validator | None:
+    key = hashlib.blake2b(schema_json.encode(), digest_size=16).digest()
+    if key in _validators:
+        _validators.move_to_end(key)
+        return _validators[key]
     try:
         schema = json.loads(schema_json)
         Draft202012Validator.check_schema(schema)
-        return Draft202012Validator(schema)
-    except (ValueError, SchemaError):
-        return None
+        validator: Draft202012Validator | None = Draft202012Validator(schema)
+    except (ValueError, SchemaError, RecursionError):  # RecursionError: nested deeper than the checker goes
+        validator = None
+    _validators[key] = validator
+    if len(_validators) > VALIDATORS:
+        _validators.popitem(last=False)
+    return validator
 
 
 def fits_schema(value: object, schema: dict) -> tuple[bool, str | None]:
-    """(ok, first problem). An unusable schema is not held against the model."""
-    validator = _validator(json.dumps(schema, sort_keys=True))
+    """(ok, first problem). An unusable schema, or one too large to check, is not held against the model."""
+    schema_json = json.dumps(schema, sort_keys=True)
+    if len(schema_json) > MAX_SCHEMA_CHARS:
+        return True, None
+    validator = _validator(schema_json)
     if validator is None:
         return True, None
     try:
         error = next(iter(validator.iter_errors(value)), None)
-    except Unresolvable:  # a `$ref` to nothing, or to another document: the schema is not usable
+    except (Unresolvable, RecursionError):  # a `$ref` to nothing or to another document, or a loop of them
         return True, None
     if error is None:
         return True, None
