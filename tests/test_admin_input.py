@@ -198,7 +198,7 @@ def test_with_the_variable_set_no_header_is_still_401(tmp_path, monkeypatch):
     assert r.status_code == 403 and error_of(r)["code"] == "invalid_token"
 
 
-@pytest.mark.parametrize("variable", [TOKEN + "\n", f"  {TOKEN}\r\n"])
+@pytest.mark.parametrize("variable", [TOKEN + "\n", f"  {TOKEN}\r\n"], ids=["lf", "crlf"])  # ids: the same on every xdist worker
 def test_a_token_variable_read_from_a_file_with_its_line_break_still_lets_the_operator_in(tmp_path, monkeypatch,
                                                                                           variable):
     """ADMIN_TOKEN="$(cat file)" keeps a CR; a secret mounted as a file ends in a newline."""
