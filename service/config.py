@@ -171,9 +171,11 @@ def valid_schema(v: dict | None) -> dict | None:
     """A JSON schema field's value, or ValueError saying why it is not a schema (a check with an
     unusable schema would pass everything)."""
     if v is not None:
-        if len(json.dumps(v, sort_keys=True)) > MAX_SCHEMA_CHARS:
+        text = json.dumps(v, default=str)  # YAML's keys and values as JSON has them (strings, numbers)
+        if len(text) > MAX_SCHEMA_CHARS:
             raise ValueError(f"a JSON schema over {MAX_SCHEMA_CHARS // 1024} KiB is not checked (its cost is "
                              "the proxy's); split the check or make it smaller")
+        v = json.loads(text)
         try:
             Draft202012Validator.check_schema(v)
         except SchemaError as e:

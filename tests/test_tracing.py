@@ -412,9 +412,10 @@ def test_every_shadow_call_links_to_the_live_span(sim, receiver, tmp_path):
     """Stability re-asks and judge calls too, with one candidate and with several (DESIGN §7)."""
     routes = ["judged-r", "judged-2-r"]
     through_the_stack(stack_config(sim.url, receiver.url, tmp_path), routes, {"traceparent": CLIENT_TRACEPARENT})
-    # per candidate: its call, k-1 = 2 stability re-asks, 2 judge comparisons in 2 orders; once per
-    # record: the stable model asked again (the noise floor), and 1 more time for its stability
-    expected = {"judged-r": 1 + 2 + 4 + 2, "judged-2-r": 2 * (1 + 2 + 4) + 1 + 2}
+    # per candidate: its call, k-1 = 2 stability re-asks, its judge comparison in 2 orders; once per
+    # request, whatever the candidates: the stable model asked again (the noise floor), the judge's
+    # noise-floor comparison in 2 orders, and the stable model once more for its stability
+    expected = {"judged-r": 1 + 2 + 2 + (1 + 2 + 1), "judged-2-r": 2 * (1 + 2 + 2) + (1 + 2 + 1)}
     receiver.wait_spans(sum(expected.values()) + len(routes))
     for route in routes:
         live, shadow = spans_of(receiver, route)

@@ -39,3 +39,11 @@ def test_a_configured_check_too_large_to_be_checked_is_refused():
     huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_SCHEMA_CHARS // 20)}}
     with pytest.raises(ValueError, match="over 32 KiB is not checked"):
         Checks(json_schema=huge)
+
+
+def test_a_configured_schema_is_taken_as_json_has_it():
+    """YAML may give keys that are no strings (`1:`), even mixed with strings: JSON's form is checked
+    and kept, never a TypeError out of config loading (found by tests/test_config_fuzz.py)."""
+    checks = Checks(json_schema={"type": "object", "properties": {1: {"type": "string"}, "b": {"type": "integer"}}})
+    assert checks.json_schema == {"type": "object", "properties": {"1": {"type": "string"}, "b": {"type": "integer"}}}
+    assert fits_schema({"1": 5}, checks.json_schema) == (False, "1: 5 is not of type 'string'")
