@@ -44,7 +44,8 @@ from service.upstream.base import Provider
 log = logging.getLogger("modelcanary.shadow")
 
 SNAPSHOT_S = 1.0
-RESULTS_S = 0.05                # an evaluation's end waits at most this for its RESULTS frame
+RESULTS_S = 0.25                # an evaluation's end waits at most this for its RESULTS frame (each
+                                # carries a metrics snapshot, ~0.5 ms: at most 4 a second)
 EXIT_DRAIN_S = 2.0
 NICE = 10
 TRAFFIC, STOP, TAKEN, RESULTS = b"t", b"s", b"c", b"r"
