@@ -10,9 +10,7 @@ stale. In a source checkout `write` also refreshes the Helm chart's copies
 from __future__ import annotations
 
 import json
-import re
 import sys
-import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,39 +132,11 @@ def main_build(out: str | None = None) -> int:
     return 0
 
 
-_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
-
-
-def redacted(text: str) -> str:
-    """`text` with any URL's user:password@ shown as ***@ (as service.config's redacted_url, which
-    this package may not import)."""
-    return _USERINFO.sub("***@", text)
-
-
-def grafana_url_problem(url: str) -> str | None:
-    """Why `url` is no http(s)://[USER:PASS@]HOST[:PORT] URL, or None; the message never shows the password."""
-    hint = "give http://HOST:PORT, e.g. http://127.0.0.1:3000"
-    shown = repr(redacted(url))
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - parsing the port is what checks it
-    except ValueError as e:
-        return f"{shown} is not a URL ({e}); {hint}"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"{shown} is not an http(s) URL; {hint}"
-    if any(c.isspace() or not c.isprintable() for c in url):
-        return f"{shown} contains spaces or control characters; {hint}"
-    return None
-
-
-def main_push(url: str, token: str | None = None) -> int:
-    """Exit 2 for a --grafana-url that is no URL (nothing was asked), 1 when Grafana cannot be reached
-    or refuses; the URL is printed without its password."""
+def main_push(url: str, token: str | None, redacted: Callable[[str], str]) -> int:
+    """Exit 1 when Grafana cannot be reached or refuses (the URL was checked by the caller); what is
+    printed passes through `redacted`, which hides a URL's password."""
     from grafana_client.client import GrafanaException
 
-    if (problem := grafana_url_problem(url)) is not None:
-        print(f"error: --grafana-url: {problem}", file=sys.stderr)
-        return 2
     shown = redacted(url)
     try:
         uids = push(url, token)

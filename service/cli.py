@@ -12,7 +12,15 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from service.config import Config, ConfigError, environment_problems, load_config, port_number, tls_file_problems
+from service.config import (
+    Config,
+    ConfigError,
+    environment_problems,
+    load_config,
+    port_number,
+    redacted_url,
+    tls_file_problems,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -239,7 +247,14 @@ def cmd_dashboards(args: argparse.Namespace) -> int:
 
     if args.dashboards_command == "build":
         return main_build(args.out) or 0
-    return main_push(args.grafana_url, args.token) or 0
+    from service.admin.cli import BadURLError, check_url
+
+    try:
+        check_url("--grafana-url", args.grafana_url)
+    except BadURLError as e:  # nothing was asked
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return main_push(args.grafana_url, args.token, redacted_url)
 
 
 def seconds(text: str) -> float:

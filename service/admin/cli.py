@@ -23,6 +23,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from service.config import redacted_url
+
 TIMEOUT_S = 10.0
 TOKEN_ENV = "MODELCANARY_ADMIN_TOKEN"
 TERMINAL = ("promoted", "rolled_back", "partial")
@@ -54,15 +56,16 @@ class BadTokenError(AdminError):
 def check_url(flag: str, url: str) -> str:
     """`url` when it is an http(s)://HOST[:PORT][/PATH] URL, else BadURLError naming the flag and value."""
     hint = "give http://HOST:PORT, e.g. http://127.0.0.1:8080"
+    shown = redacted_url(repr(url))  # a user:password@ in it is never printed
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - parsing the port is what checks it
     except ValueError as e:
-        raise BadURLError(f"{flag}: {url!r} is not a URL ({e}); {hint}") from None
+        raise BadURLError(f"{flag}: {shown} is not a URL ({e}); {hint}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadURLError(f"{flag}: {url!r} is not an http(s) URL; {hint}")
+        raise BadURLError(f"{flag}: {shown} is not an http(s) URL; {hint}")
     if any(c.isspace() or not c.isprintable() for c in url):
-        raise BadURLError(f"{flag}: {url!r} contains spaces or control characters; {hint}")
+        raise BadURLError(f"{flag}: {shown} contains spaces or control characters; {hint}")
     return url
 
 
