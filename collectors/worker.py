@@ -46,6 +46,7 @@ from collectors.similarity.configured import RouteEmbedders
 from collectors.spend import OverBudget, SpendCap
 from service import __version__, metrics
 from service.bus import EventBus, Subscription, make_bus
+from service.bus.base import SHADOW_GROUP
 from service.config import Checks, Config
 from service.proxy.formats import CHAT, ApiFormat, format_of
 from service.proxy.outcome import failed
@@ -66,7 +67,7 @@ from service.upstream.retry import RetryBudget, send_with_retries
 
 log = logging.getLogger("modelcanary.shadow")
 
-GROUP = "modelcanary-shadow"
+GROUP = SHADOW_GROUP
 DEDUP_MEMORY = 200_000          # request ids remembered as evaluated
 COMMIT_INTERVAL_S = 1.0         # commit at least this often under steady load
 DRAIN_TIMEOUT_S = 10.0          # on stop: how long in-flight evaluations may take to finish

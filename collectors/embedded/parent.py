@@ -31,7 +31,7 @@ from collectors.embedded.relay import ChildMetrics, install
 from collectors.worker import DRAIN_TIMEOUT_S
 from service import metrics
 from service.bus import EventBus
-from service.bus.memory import SHADOW_GROUP
+from service.bus.base import SHADOW_GROUP
 from service.config import Config
 from service.records import TrafficEvent, load
 

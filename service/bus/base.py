@@ -10,6 +10,7 @@ from service.records import Record
 
 Topic = Literal["outcomes", "traffic", "evaluations", "rollouts", "reports", "control"]
 TOPICS: tuple[Topic, ...] = ("outcomes", "traffic", "evaluations", "rollouts", "reports", "control")
+SHADOW_GROUP = "modelcanary-shadow"  # the consumer group the shadow workers read traffic in
 # One partition each, compacted: the latest record per key is all a reader needs.
 KEYED_TOPICS: tuple[Topic, ...] = ("rollouts", "reports", "control")
 LEADER_KEY = "leader"

@@ -14,17 +14,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service import metrics
-from service.bus.base import Topic
+from service.bus.base import SHADOW_GROUP, Topic
 from service.records import Record, RolloutState
 
 if TYPE_CHECKING:
     from prometheus_client import Gauge
 
 LAG_EVERY = 256   # offers between two lag exports while nobody calls get_batch
-# The consumer group memory mode's shadow workers read traffic in (as collectors.worker.GROUP, which
-# service may not import): a traffic record only its queue had no room for is a sampled request
-# never shadowed. Other subscribers' full queues (capture's recent traffic) are event drops only.
-SHADOW_GROUP = "modelcanary-shadow"
 
 
 class MemorySubscription:
@@ -40,6 +36,7 @@ class MemorySubscription:
 
     def offer(self, topic: Topic, record: Record) -> bool:
         if len(self._items) >= self._maxsize:
+            # only the shadow workers' full queue loses a sampled request; capture's is an event drop
             metrics.count_queue_full(topic, record, shadow=self._group == SHADOW_GROUP)
             return False
         self._items.append((topic, record))
