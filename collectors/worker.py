@@ -49,7 +49,7 @@ from service.bus import EventBus, Subscription, make_bus
 from service.bus.base import SHADOW_GROUP
 from service.config import Checks, Config
 from service.proxy.formats import CHAT, ApiFormat, format_of
-from service.proxy.outcome import failed
+from service.proxy.outcome import failed, upstream_refused
 from service.recent import Recent
 from service.records import (
     CandidateResult,
@@ -230,7 +230,8 @@ class ShadowClient:
                 parsed = json.loads(reply.body)
             except ValueError:
                 parsed = None
-            return ShadowCall(model_key, failed(fmt.error_cause(status, parsed if isinstance(parsed, dict) else None)),
+            cause = fmt.error_cause(status, parsed if isinstance(parsed, dict) else None)
+            return ShadowCall(model_key, upstream_refused(cause, client_credential=False),  # never a client's key
                               status=status, retries=attempt.retries)
         try:
             response = json.loads(reply.body)

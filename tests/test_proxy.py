@@ -535,7 +535,30 @@ def test_upstream_key_from_env_and_client_key_passthrough(servers):
     bad = openai.OpenAI(base_url=passthrough.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "x"}])
+    assert metric_value(scrape(passthrough.url), "modelcanary_failures_total", cause="auth_error", blame="client") == 1
     assert "sim-secret-key" not in proxy_with_key.output() + passthrough.output()
+
+
+def test_a_refused_operator_key_is_the_proxys_failure_not_the_clients(servers):
+    """The provider refuses the key the proxy holds: the client's key never went upstream, so the client
+    is not told its key is wrong (a 401 makes SDKs say so) but gets a 502 naming the provider's key, and
+    the failure is blamed on the proxy's configuration, on every API."""
+    sim = servers.simulator(sim_config(api_key="sim-secret-key"))
+    cfg = proxy_config(sim.url)
+    cfg["providers"]["sim"]["api_key_env"] = "SIM_KEY"
+    proxy = servers.proxy(cfg, env={"SIM_KEY": "sk-expired"})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
+    for create in (lambda: client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "x"}]),
+                   lambda: client.chat.completions.create(model="support-bot", stream=True,
+                                                          messages=[{"role": "user", "content": "x"}]),
+                   lambda: client.responses.create(model="support-bot", input="x")):
+        with pytest.raises(openai.InternalServerError) as e:
+            create()
+        assert e.value.status_code == 502 and "providers.sim.api_key_env" in e.value.message, e.value.message
+    text = scrape(proxy.url)
+    assert metric_value(text, "modelcanary_failures_total", cause="auth_error", blame="proxy") == 3
+    assert metric_value(text, "modelcanary_failures_total", cause="auth_error", blame="client") == 0
+    assert "sk-expired" not in proxy.output()
 
 
 def test_a_client_that_leaves_while_the_upstream_works_is_client_cancelled_when_it_left(servers):

@@ -134,3 +134,37 @@ def test_a_retried_call_ends_within_the_calls_time():
         assert attempted.failure is not None and attempted.failure.cause == "timeout" and calls == 2
         assert elapsed < 2.5, elapsed
     asyncio.run(go())
+
+
+def test_a_retry_the_client_cut_short_during_the_wait_is_not_counted_or_paid():
+    """The client leaves while the proxy waits out a Retry-After: the second attempt is never sent, so
+    no retry is counted (metric, outcome) and the route's budget keeps it."""
+    async def go():
+        budget = RetryBudget(ratio=0.0, reserve=1)
+        causes: list[str] = []
+        limited = Upstream(429, {"retry-after": "1"})
+        call = asyncio.ensure_future(send_with_retries(limited, "/x", b"{}", {}, False, budget,
+                                                       on_retry=lambda c, t0, t1: causes.append(c)))
+        while limited.calls == 0:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
+        call.cancel()
+        try:
+            await call
+        except asyncio.CancelledError:
+            pass
+        assert (limited.calls, causes) == (1, [])
+        retried = Upstream(503, {})
+        attempted = await send_with_retries(retried, "/x", b"{}", {}, False, budget)
+        assert attempted.retries == 1 and retried.calls == 2  # the budget's one retry is still there
+    asyncio.run(go())
+
+
+def test_retry_after_ms_is_honoured_before_retry_after():
+    async def go():
+        limited = Upstream(429, {"retry-after-ms": "300", "retry-after": "0"})
+        started = asyncio.get_running_loop().time()
+        attempted = await send_with_retries(limited, "/x", b"{}", {}, False, RetryBudget())
+        waited = asyncio.get_running_loop().time() - started
+        assert attempted.retries == 2 and waited >= 0.6, waited
+    asyncio.run(go())

@@ -498,7 +498,7 @@ def test_shadow_calls_use_the_providers_key_only(servers, monkeypatch):
     events, records = asyncio.run(go("keyless", True))  # no key configured: no credentials at all
     assert len(events) == 6 and len(records) == 6
     assert {(r.candidate.outcome, r.candidate.cause, r.candidate.blame) for r in records} == {
-        ("failed", "auth_error", "client")}
+        ("failed", "auth_error", "proxy")}
     assert all(r.evaluations == [] and r.agreement.candidate_vs_stable is None for r in records)
 
 

@@ -19,7 +19,7 @@ from service import metrics
 from service.config import Checks, Config, ModelConfig
 from service.errors import ErrorResponse, openai_error
 from service.proxy.native import OnLeave, on_leave_in_scope
-from service.proxy.outcome import COMPLETED, Verdict, classify_chat, failed
+from service.proxy.outcome import COMPLETED, Verdict, classify_chat, failed, upstream_refused
 from service.proxy.owners import Owner
 from service.proxy.recorder import Call, Recorder
 from service.proxy.retries import RetryDetector
@@ -291,9 +291,11 @@ class Proxy:
         up_headers = {"Content-Type": "application/json",
                       "Accept": "text/event-stream" if call.stream else "application/json"}
         up_headers.update((k, headers[k]) for k in forwarded if k in headers)
-        auth = provider.auth_header(self._client_auth(headers))
+        client_auth = self._client_auth(headers)
+        auth = provider.auth_header(client_auth)
         if auth:
             up_headers["Authorization"] = auth
+            call.client_credential = auth == client_auth
         if self.tracing is not None:
             call.span = self.tracing.start_call(route=call.route, role=call.role, request_model=model.name,
                                                 provider=model.provider, traceparent=call.traceparent,
@@ -342,7 +344,9 @@ class Proxy:
         OpenAI-shaped error's message. A client's mistake that the upstream answered as its own failure
         (a 5xx) goes back as the 400 it is, so that clients do not retry it."""
         parsed = json_object(reply.body)
-        call.verdict = failed(error_cause(reply.status, parsed))
+        call.verdict = upstream_refused(error_cause(reply.status, parsed), call.client_credential)
+        if call.verdict.blame == "proxy":
+            return self.refused_credentials(call, openai_error, headers)
         if reply.status >= 500 and call.verdict.cause in CLIENT_CAUSES:
             call.status = 400
             message = error_fields(parsed)[1].split("\n\n", 1)[0]
@@ -353,6 +357,13 @@ class Proxy:
         text = reply.body[:500].decode("utf-8", "replace").strip()  # an HTML page, plain text: kept in the message
         return openai_error(reply.status, f"upstream answered HTTP {reply.status}" + (f": {text}" if text else ""),
                             code=call.verdict.cause, headers=headers)
+
+    def refused_credentials(self, call: Call, error: ErrorResponse, headers: dict[str, str]) -> Response:
+        """A 502, not the upstream's 401/403: the client's key is fine (SDKs would say it is not)."""
+        call.status = 502
+        provider = self.config.models[call.model_key].provider
+        return error(502, f"the upstream refused the credentials modelcanary holds for provider '{provider}' "
+                     f"(providers.{provider}.api_key_env)", code="auth_error", headers=headers)
 
     def _classify_stream(self, call: Call, judge: Callable[..., Verdict] | None, raw: bytes,
                          clipped: bool) -> Verdict:

@@ -28,7 +28,7 @@ from service.proxy.chat import BadRequest, Proxy, client_authorization, header_m
 from service.proxy.formats import ApiFormat
 from service.proxy.formats.base import untold_usage
 from service.proxy.native import on_leave_in_scope
-from service.proxy.outcome import COMPLETED, Verdict, failed
+from service.proxy.outcome import COMPLETED, Verdict, failed, upstream_refused
 from service.proxy.owners import Owner, ResponseOwners
 from service.proxy.recorder import Call
 from service.proxy.routing import pick
@@ -160,7 +160,9 @@ class FormatEndpoint:
                 return error(502, f"upstream answer is not a {self.fmt.name} response: {call.verdict.detail}",
                              code="bad_response", headers=headers)
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
-        call.verdict = failed(self.fmt.error_cause(reply.status, parsed))
+        call.verdict = upstream_refused(self.fmt.error_cause(reply.status, parsed), call.client_credential)
+        if call.verdict.blame == "proxy":
+            return proxy.refused_credentials(call, error, headers)
         if parsed is not None and isinstance(parsed.get("error"), dict):  # the upstream's own error, in its shape
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
         return error(reply.status, f"upstream answered HTTP {reply.status}", code=call.verdict.cause, headers=headers)

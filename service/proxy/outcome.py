@@ -54,6 +54,14 @@ def failed(cause: str, detail: str | None = None) -> Verdict:
     return Verdict("failed", cause, CAUSE_BLAME[cause], detail)
 
 
+def upstream_refused(cause: str, client_credential: bool) -> Verdict:
+    """The verdict on an upstream's error answer. A refused credential is the client's fault only when
+    the client's own key went upstream; else it was the key the proxy holds, or none: its configuration."""
+    if cause == "auth_error" and not client_credential:
+        return Verdict("failed", cause, "proxy", "the provider refused the proxy's credentials")
+    return failed(cause)
+
+
 def classify_chat(request: dict, response: dict, checks: Checks, chunks: int | None = None) -> Verdict:  # noqa: C901 - the outcome rules in their order of precedence (DESIGN §6)
     """Verdict on a successful (2xx) chat completion body, streamed answers reassembled first.
     `request` is what the model was asked (a model's `params` included); `chunks`, a streamed answer's

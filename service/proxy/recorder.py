@@ -69,6 +69,7 @@ class Call:
     chat: dict | None = None            # the answer's chat view, when `response` is another format (tracing on)
     headers: dict[str, str] | None = None  # the client's headers its shadow calls repeat (Messages' beta flags)
     asked: dict | None = None           # the chat body the model was asked (its system_prompt and params in)
+    client_credential: bool = False     # the client's own key went upstream (a refusal of it is the client's)
 
 
 def usage_tokens(call: Call) -> tuple[int, int]:

@@ -41,6 +41,12 @@ def events_end(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
+def last_event_start(data: bytes) -> int:
+    """Offset of the last whole SSE event in `data` (events that end with a blank line)."""
+    body = data.rstrip(b"\r\n")
+    return events_end(body) if body else 0
+
+
 def client_gone(receive: Receive) -> bool:
     """Whether the client has hung up, known without waiting: an ASGI server answers `receive()` at
     once with `http.disconnect` then. One step of the coroutine, dropped if it would wait (a few µs,
@@ -101,6 +107,7 @@ class StreamRelay:
     async def events(self) -> AsyncGenerator[bytes, None]:  # noqa: C901 - the stream's lifecycle (forward, capture, end, fail) in one generator
         call = self.call
         partial = b""  # the start of an SSE event not yet complete: forwarded once it is
+        last = b""  # the events that hold the terminal one: forwarded once the stream is judged
         try:
             async for chunk in self.reply.chunks():
                 if self._size < STREAM_CAPTURE_LIMIT:
@@ -115,20 +122,22 @@ class StreamRelay:
                 if chunk:
                     if call.ttft_s is None and (self._has_output is None or self._has_output(chunk)):
                         call.ttft_s = time.perf_counter() - call.started
-                    over = self._is_over(chunk)
-                    yield chunk
-                    if over:
+                    if self._is_over(chunk):
                         self._over = True
+                        last = chunk
                         break
+                    yield chunk
             clipped = self._size >= STREAM_CAPTURE_LIMIT
             call.verdict = self._judge(self._whole_events() if clipped else b"".join(self._captured), clipped)
             if clipped and call.verdict.ok and not self._over:  # its end is past what was captured
                 call.verdict = failed("bad_response", "the stream ended before its last event")
-            if partial and call.verdict.cause != "bad_response":
-                yield partial  # the upstream ended without a final blank line: a whole last event
-            if call.verdict.cause == "bad_response":  # say so, never end silently (even after [DONE]); an
+            if call.verdict.cause != "bad_response":
+                yield last + partial  # partial: the upstream ended without a final blank line: a whole last event
+            else:  # say so, before the terminal event (clients stop reading there), never silently; an
                 # unended event that is part of the problem is not forwarded: the client sees whole events
-                yield self._error_event(502, f"upstream stream is malformed: {call.verdict.detail}", "bad_response")
+                terminal = last_event_start(last)
+                yield last[:terminal] + self._error_event(
+                    502, f"upstream stream is malformed: {call.verdict.detail}", "bad_response") + last[terminal:]
         except TransportFailure as e:
             # a cut-off event is never forwarded: the client sees whole events, then this error event
             call.verdict = failed(e.cause, e.detail)

@@ -44,13 +44,31 @@ class RetryBudget:
     def on_request(self, now: float | None = None) -> None:
         self._requests[self._slot(now or time.monotonic())] += 1
 
-    def try_spend(self, now: float | None = None) -> bool:
+    def try_spend(self, now: float | None = None) -> float | None:
+        """The time the retry was paid at (for `refund`), or None when the budget is spent."""
         now = now or time.monotonic()
         reqs, rets = self._totals(now)
         if rets >= self.ratio * reqs + self.reserve:
-            return False
+            return None
         self._retries[self._slot(now)] += 1
-        return True
+        return now
+
+    def refund(self, paid_at: float) -> None:
+        """Give back a retry that was never sent (its second left the window: nothing to give back)."""
+        i = int(paid_at) % self.window_s
+        if self._stamp[i] == int(paid_at) and self._retries[i] > 0:
+            self._retries[i] -= 1
+
+
+def hinted_delay_s(headers: dict[str, str]) -> float | None:
+    """The upstream's own wait: `retry-after-ms` first (OpenAI's), then `retry-after`."""
+    millis = headers.get("retry-after-ms")
+    if millis:
+        try:
+            return max(0.0, float(millis) / 1000)
+        except ValueError:
+            pass
+    return retry_after_s(headers.get("retry-after"))
 
 
 def retry_after_s(value: str | None) -> float | None:
@@ -78,6 +96,20 @@ class Attempted:
 
 def _retryable_reply(reply: UpstreamReply) -> bool:
     return reply.status in RETRYABLE_STATUS
+
+
+async def _paid_wait(budget: RetryBudget, delay: float) -> bool:
+    """Wait before a retry the budget pays for; False (no wait) when it is spent. A client that leaves
+    during the wait gets the retry back: it was never made."""
+    paid_at = budget.try_spend()
+    if paid_at is None:
+        return False
+    try:
+        await asyncio.sleep(delay)
+    except asyncio.CancelledError:
+        budget.refund(paid_at)
+        raise
+    return True
 
 
 async def send_with_retries(
@@ -120,14 +152,14 @@ async def send_with_retries(
         if retries >= provider.max_retries or cause == "quota_exceeded":  # no quota comes back in seconds
             return Attempted(reply, failure, retries)
         delay = random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**retries))
-        hinted = retry_after_s(reply.headers.get("retry-after")) if reply is not None else None
+        hinted = hinted_delay_s(reply.headers) if reply is not None else None
         if hinted is not None:
             delay = max(delay, hinted)
         if delay > RETRY_AFTER_CAP_S or (deadline_s is not None and time.monotonic() - started + delay > deadline_s):
             return Attempted(reply, failure, retries)
-        if not budget.try_spend():  # last: the budget pays only for a retry that is made
+        failed_ns = time.time_ns()
+        if not await _paid_wait(budget, delay):  # last: the budget pays only for a retry that is made
             return Attempted(reply, failure, retries)
         if on_retry is not None:
-            on_retry(cause, t0, time.time_ns())
+            on_retry(cause, t0, failed_ns)
         retries += 1
-        await asyncio.sleep(delay)

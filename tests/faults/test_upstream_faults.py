@@ -281,6 +281,7 @@ SSE_NO_END = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection
               b"\"delta\":{\"role\":\"assistant\",\"content\":\"Hel\"},\"finish_reason\":null}]}\n\n")
 SSE_GARBAGE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
                b"data: {not json at all\n\ndata: [DONE]\n\n")
+SSE_DONE_UNFINISHED = SSE_NO_END + b"data: [DONE]\n\n"  # llama.cpp's server when it interrupts a stream
 
 
 @pytest.mark.parametrize(("reply", "stream", "status", "cause"), [
@@ -292,16 +293,20 @@ SSE_GARBAGE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnectio
     (GARBAGE, False, 502, "connection_error"),      # not HTTP at all
     (SSE_NO_END, True, 200, "bad_response"),        # stream ends cleanly without finish_reason or [DONE]
     (SSE_GARBAGE, True, 200, "bad_response"),
-], ids=["html-200", "array-200", "no-choices", "html-500", "short-body", "not-http", "sse-no-end", "sse-garbage"])
+    (SSE_DONE_UNFINISHED, True, 200, "bad_response"),
+], ids=["html-200", "array-200", "no-choices", "html-500", "short-body", "not-http", "sse-no-end", "sse-garbage",
+        "sse-done-unfinished"])
 def test_malformed_upstream_answers_are_attributed_never_a_proxy_500(faults, reply, stream, status, cause):
     proxy, fault = faults
     fault.set_mode("reply", reply=reply)
     before = failures(proxy, "via-fault-m", cause)
     got, raw, _ = asyncio.run(post(proxy.url, chat("via-fault-m", stream=stream)))
     assert got == status, raw
-    if stream:
-        last = sse_events(raw)[-1]  # the client is told: the stream never ends silently
-        assert isinstance(last, dict) and last["error"]["code"] == cause, raw
+    if stream:  # the client is told, before any [DONE] (where SDKs stop reading): never silently
+        events = sse_events(raw)
+        told = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert told and told[0]["error"]["code"] == cause, raw
+        assert "[DONE]" not in events[:events.index(told[0])], raw
     else:
         err = assert_openai_error(raw)
         assert err["code"] != "proxy_error"
