@@ -620,3 +620,29 @@ def test_the_alerted_series_exist_from_0_so_a_first_increase_is_seen(stack):
                                                ("role", role), ("route", "support-bot"))) in series, role
     for reason in ("queue_full", "error", "stopped"):
         assert ("modelcanary_shadow_dropped_total", (("reason", reason), ("route", "support-bot"))) in series
+
+
+def test_no_shadow_header_fails_closed(servers):
+    """`x-modelcanary-no-shadow` is a privacy control: any value but an explicit no keeps the request
+    from being replayed to another model (seen in what is sampled: memory mode's /admin/traffic)."""
+    sim = servers.simulator()
+    proxy = servers.proxy(proxy_config(sim.url, shadow={"sample_rate": 1.0}),
+                          env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
+    for value in ("1", "true", "YES", "on", "please", "0", "false", None):
+        headers = {} if value is None else {"x-modelcanary-no-shadow": value}
+        client.chat.completions.create(model="support-bot", extra_headers=headers,
+                                       messages=[{"role": "user", "content": f"value {value!r}"}])
+    client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "marker"}])
+
+    def sampled() -> list[str]:
+        req = urllib.request.Request(proxy.url + "/admin/traffic", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            lines = [json.loads(line) for line in r.read().splitlines() if line.strip()]
+        return [m["content"] for e in lines if "request" in e for m in e["request"]["messages"]]
+
+    deadline = time.monotonic() + 30
+    while "marker" not in (seen := sampled()):  # published in order: all before it are in
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.1)
+    assert sorted(seen) == sorted(["value '0'", "value 'false'", "value None", "marker"]), seen

@@ -24,6 +24,7 @@ from service.proxy.owners import Owner
 from service.proxy.recorder import Call, Recorder
 from service.proxy.retries import RetryDetector
 from service.proxy.routing import pick
+from service.proxy.sampler import opted_out
 from service.proxy.segments import classify_segment
 from service.proxy.sse import chat_has_output, reassemble
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
@@ -199,7 +200,7 @@ class Proxy:
             segment = classify_segment(body)
         call = Call(request_id=request_id, route=route, model_key=model_key, role=role, segment=segment,
                     started=started, request=body, session_key=session_key, stream=bool(stream),
-                    no_shadow=headers.get("x-modelcanary-no-shadow") == "1",
+                    no_shadow=opted_out(headers.get("x-modelcanary-no-shadow")),
                     traceparent=headers.get("traceparent"))
         call.client_retry = self.retries.is_retry(headers.get("x-stainless-retry-count"),
                                                   f"{headers.get('authorization', '')}|{session_key or ''}", raw)

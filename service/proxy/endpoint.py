@@ -32,6 +32,7 @@ from service.proxy.outcome import COMPLETED, Verdict, failed, upstream_refused
 from service.proxy.owners import Owner, ResponseOwners
 from service.proxy.recorder import Call
 from service.proxy.routing import pick
+from service.proxy.sampler import opted_out
 from service.proxy.segments import classify_segment
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.records import Role
@@ -81,7 +82,7 @@ class FormatEndpoint:
             route = name
         call = Call(request_id=request_id, route=route, model_key=model_key, role=role, segment=segment,
                     started=started, request=body, session_key=session_key, stream=bool(stream),
-                    no_shadow=headers.get("x-modelcanary-no-shadow") == "1",
+                    no_shadow=opted_out(headers.get("x-modelcanary-no-shadow")),
                     traceparent=headers.get("traceparent"), stateful=stateful is not None, view=view,
                     headers={k: headers[k] for k in FORWARDED_REQUEST_HEADERS if k in headers} or None)
         call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"),

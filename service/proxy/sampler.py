@@ -10,6 +10,13 @@ from service.config import Config
 from service.proxy.routing import unit_hash
 
 BURST_S = 1.0  # the cap admits at most this many seconds' worth of evaluations at once
+SHADOW_ALLOWED = frozenset({"0", "false", "no", "off"})
+
+
+def opted_out(value: str | None) -> bool:
+    """Whether `x-modelcanary-no-shadow` keeps a request from being replayed: any value but an explicit
+    no (0, false, no, off), since a privacy control fails closed."""
+    return value is not None and value.strip().lower() not in SHADOW_ALLOWED
 
 
 class _Bucket:
