@@ -88,11 +88,11 @@ def test_capture_from_memory_proxy_redacts_and_keeps_no_credential(servers, tmp_
     cfg = proxy_config(sim.url, shadow={"sample_rate": 1.0, "max_per_minute": 100_000,
                                         "redact": ["builtin:email", r"acct-\d{6}"]})
     cfg["providers"]["sim"]["api_key_env"] = "SIM_PROVIDER_KEY"
-    cfg["server"] = {"client_keys_env": "MC_CLIENT_KEYS"}
+    cfg["server"] = {"client_keys_env": "MC_CLIENT_KEYS", "admin_token_env": "MC_ADMIN"}
     cfg["control"] = {"interval_s": 0.5, "report_interval_s": 0.5}
     env = {"SIM_PROVIDER_KEY": secrets["provider key"], "MODELCANARY_ADMIN_TOKEN": secrets["admin token"],
            "MC_CLIENT_KEYS": f"{secrets['client key']}=*"}
-    proxy = servers.proxy(cfg, env=env)
+    proxy = servers.proxy(cfg, env=env | {"MC_ADMIN": secrets["admin token"]})
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=secrets["client key"], max_retries=0, timeout=20)
     started = time.time()
     ids: dict[str, str] = {}   # request id -> segment
@@ -127,7 +127,7 @@ def test_capture_from_memory_proxy_redacts_and_keeps_no_credential(servers, tmp_
     monkeypatch.delenv("MODELCANARY_ADMIN_TOKEN", raising=False)
     code, _, err = in_process(capsys, ["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out",
                                        str(tmp_path / "x.jsonl")])
-    assert code == 1 and "HTTP 401" in err and "MODELCANARY_ADMIN_TOKEN" in err
+    assert code == 1 and "HTTP 401" in err and "set MC_ADMIN or MODELCANARY_ADMIN_TOKEN" in err, err
 
     everything = tmp_path / "all.jsonl"
     r = cli(["capture", "--config", str(proxy.config_path), "--url", proxy.url, "--out", str(everything),

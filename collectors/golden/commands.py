@@ -134,7 +134,9 @@ def _read_records(config: Config, url: str | None, token: str | None, t0: float 
         check_url("--url", url)
     else:
         url = check_url("--url (default: the config's server.host and server.port)", _proxy_url(config))
-    records, bad = sources.from_proxy(url, token or os.environ.get(config.server.admin_token_env), t0, t1)
+    names = tuple(dict.fromkeys((config.server.admin_token_env, TOKEN_ENV)))  # the proxy's variable, then the CLI's
+    found = token or next((value for name in names if (value := os.environ.get(name))), None)
+    records, bad = sources.from_proxy(url, found, t0, t1, token_hint="pass --token or set " + " or ".join(names))
     return records, bad, f"the proxy at {url}"
 
 

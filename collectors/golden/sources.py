@@ -37,8 +37,10 @@ def _decoded(values: list[dict]) -> tuple[list[Record], int]:
     return out, bad
 
 
-def from_proxy(url: str, token: str | None, since: float | None, until: float | None) -> tuple[list[Record], int]:
-    """(records, undecodable lines) from a running proxy in memory mode."""
+def from_proxy(url: str, token: str | None, since: float | None, until: float | None,
+               token_hint: str) -> tuple[list[Record], int]:
+    """(records, undecodable lines) from a running proxy in memory mode; `token_hint` says where a
+    refused token came from."""
     query = urllib.parse.urlencode({k: v for k, v in (("since", since), ("until", until)) if v is not None})
     full = url.rstrip("/") + "/admin/traffic" + (f"?{query}" if query else "")
     values: list[dict] = []
@@ -53,7 +55,7 @@ def from_proxy(url: str, token: str | None, since: float | None, until: float | 
                 except ValueError:
                     bad += 1
     except urllib.error.HTTPError as e:
-        hint = " (set MODELCANARY_ADMIN_TOKEN or pass --token)" if e.code in (401, 403) else ""
+        hint = f" ({token_hint})" if e.code in (401, 403) else ""
         raise SourceError(f"GET {full}: HTTP {e.code} {e.reason}{hint}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
