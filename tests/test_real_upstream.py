@@ -299,3 +299,6 @@ def test_passed_through_endpoint_gets_the_same_error_rules(llama_server, servers
     text = scrape(proxy.url)
     assert metric_value(text, "modelcanary_failures_total", route="chat", cause="bad_request", blame="client") == 1
     assert metric_value(text, "modelcanary_failures_total", route="chat", cause="provider_5xx") == 0
+    with pytest.raises(openai.NotFoundError) as missing:  # llama.cpp has no Responses API: its own 404, kept
+        client.responses.create(model="chat", input="Say hi.")
+    assert missing.value.response.json() == {"detail": "Not Found"}, missing.value.response.text

@@ -164,9 +164,11 @@ class FormatEndpoint:
         call.verdict = upstream_refused(self.fmt.error_cause(reply.status, parsed), call.client_credential)
         if call.verdict.blame == "proxy":
             return proxy.refused_credentials(call, error, headers)
-        if parsed is not None and isinstance(parsed.get("error"), dict):  # the upstream's own error, in its shape
+        if parsed is not None:  # the upstream's own JSON error, whatever its shape
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
-        return error(reply.status, f"upstream answered HTTP {reply.status}", code=call.verdict.cause, headers=headers)
+        text = reply.body[:500].decode("utf-8", "replace").strip()  # an HTML page, plain text: kept in the message
+        return error(reply.status, f"upstream answered HTTP {reply.status}" + (f": {text}" if text else ""),
+                     code=call.verdict.cause, headers=headers)
 
     def _answered(self, call: Call, response: dict, view: dict) -> Verdict:
         """Classify an answer and note its usage; a stored answer's id is remembered right away, before
