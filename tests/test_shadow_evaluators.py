@@ -403,3 +403,20 @@ def test_quality_summary_per_segment():
     out = console.export_text()
     assert "−0.300" in out or "-0.300" in out
     assert "10/10/10" not in out and "0/10/10" in out  # tools: win/tie/loss
+
+
+def test_quality_intervals_stay_in_the_range_of_their_values():
+    """A stability or similarity near 1 over few samples: its display interval never passes 1 (the
+    report showed stability [0.762, 1.030])."""
+    stats = ShadowStats(route="r")
+    for i, value in enumerate((1.0, 1.0, 0.6, 1.0, 0.98, 1.0, 0.6, 1.0)):
+        rec = record(i, segment="chat")
+        rec.similarity = Similarity(candidate_vs_stable=value, stable_vs_stable=1.0 - value)
+        rec.stability = Stability(candidate=value, stable=1.0 - value)
+        stats.add(rec)
+    quality = stats.summary()["segments"]["chat"]["quality"]
+    for name, low, high in (("candidate", 0.0, 1.0), ("stable", 0.0, 1.0), ("gap", -1.0, 1.0)):
+        lo, hi = quality["stability"][name]["interval"]
+        assert low <= lo <= hi <= high, (name, lo, hi)
+    lo, hi = quality["similarity"]["noise_floor"]["interval"]
+    assert 0.0 <= lo <= hi <= 1.0

@@ -10,7 +10,7 @@ From each EvaluationRecord's `similarity`, `judge` and `stability`:
 - stability: the mean pairwise similarity of each model's k answers to the same request, and the gap.
 
 Every mean comes with a 95% normal-approximation interval (fixed horizon, for display: decisions
-use the judge's anytime-valid intervals).
+use the judge's anytime-valid intervals), clipped to the range its values lie in.
 
 summary() format, `report["shadow"]["segments"][<segment>]["quality"]`:
 
@@ -38,6 +38,10 @@ VERDICTS = ("win", "tie", "loss", "error")
 
 @dataclass(slots=True)
 class Mean:
+    """A running mean of values that lie in [low, high]; its interval is clipped to that range."""
+
+    low: float
+    high: float
     n: int = 0
     total: float = 0.0
     squares: float = 0.0
@@ -55,14 +59,14 @@ class Mean:
         if self.n >= 2:
             var = max(0.0, (self.squares - self.n * mean * mean) / (self.n - 1))
             half = Z * math.sqrt(var / self.n)
-            interval = [mean - half, mean + half]
+            interval = [max(self.low, mean - half), min(self.high, mean + half)]
         return {"value": mean, "n": self.n, "interval": interval}
 
 
 @dataclass
 class Verdicts:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERDICTS, 0))
-    preference: Mean = field(default_factory=Mean)
+    preference: Mean = field(default_factory=lambda: Mean(-1.0, 1.0))
 
     def add(self, verdict: str) -> None:
         self.counts[verdict] += 1
@@ -77,9 +81,9 @@ class Verdicts:
 class Paired:
     """Two sides of one request and their per-request difference."""
 
-    candidate: Mean = field(default_factory=Mean)
-    stable: Mean = field(default_factory=Mean)
-    gap: Mean = field(default_factory=Mean)
+    candidate: Mean = field(default_factory=lambda: Mean(0.0, 1.0))  # similarities
+    stable: Mean = field(default_factory=lambda: Mean(0.0, 1.0))
+    gap: Mean = field(default_factory=lambda: Mean(-1.0, 1.0))
 
     def add(self, candidate: float | None, stable: float | None) -> None:
         if candidate is not None:
@@ -95,7 +99,7 @@ class Quality:
     similarity: Paired = field(default_factory=Paired)
     judge_candidate: Verdicts = field(default_factory=Verdicts)
     judge_noise: Verdicts = field(default_factory=Verdicts)
-    judge_gap: Mean = field(default_factory=Mean)
+    judge_gap: Mean = field(default_factory=lambda: Mean(-2.0, 2.0))  # two verdicts' scores apart
     stability: Paired = field(default_factory=Paired)
 
     def add(self, r: EvaluationRecord) -> None:
