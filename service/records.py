@@ -61,6 +61,8 @@ class PrimaryResult(Record):
     latency_s: float
     ttft_s: float | None = None
     usage: dict | None = None
+    # `usage` was estimated from the text: the upstream told none (a stream it does not count)
+    usage_estimated: bool = False
     outcome: Outcome
     cause: str | None = None
 
@@ -174,7 +176,7 @@ class Evidence(Record):
     n: int
     verdict: str | None = None
     # a comparison that blocks promotion: more candidate samples it needs at the current effect and
-    # variance (None: not reachable at this effect), and how long that takes at the current traffic
+    # variance (None: not reachable at this effect), and how long that takes at this step's average traffic
     needed_n: int | None = None
     eta_s: float | None = None
 

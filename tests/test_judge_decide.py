@@ -298,6 +298,20 @@ def test_promotion_needs_each_comparison_at_the_full_alpha_not_a_share_of_it():
     assert report["alpha_per_comparison"] == pytest.approx(rc.rollout.alpha / report["comparisons_budget"])
 
 
+def test_the_promotion_eta_names_the_comparisons_that_do_not_gate_yet():
+    """Chat gates with an ETA; tools has data below min_samples_per_step: its comparisons will gate
+    too, so the "promotion possible" line says the ETA holds only if they pass as well."""
+    cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
+    state, rc, ev, now = _last_step(cfg, age_s=600.0)
+    for role in ("stable", "canary"):
+        _exact(ev, role, "chat", 5000, 0.95, ts=now - 30)
+        _exact(ev, role, "tools", 100, 0.95, ts=now - 30)
+    d = judge(state, rc, ev, now).decision
+    assert d.decision == "hold" and "promotion possible in ~" in d.reasons[0], d.reasons
+    assert re.search(r"; \d+ more comparisons \(segment tools\) gate once both arms have 200 samples$",
+                     d.reasons[0]), d.reasons[0]
+
+
 def test_a_blocking_comparison_forecasts_the_samples_and_time_it_needs():
     cfg = make_config(rollout={"min_samples_per_step": 200}, shadow=NO_SHADOW)
     state, rc, ev, now = _last_step(cfg, age_s=600.0)
@@ -311,7 +325,7 @@ def test_a_blocking_comparison_forecasts_the_samples_and_time_it_needs():
     assert f is not None and f.needed_n > 1000
     assert f.eta_s == pytest.approx(f.needed_n / (5000 / 600), rel=0.02)  # at the window's 8.3 canary samples/s
     # the slowest are listed (here all alike: completion, model failures, the failure cause)
-    pattern = r"(overall|segment chat): .+ non-inferiority needs ~[\d.]+k? more canary samples \(~.+ at current traffic\)"
+    pattern = r"(overall|segment chat): .+ non-inferiority needs ~[\d.]+k? more canary samples \(~.+ at this step's average traffic\)"
     assert any(re.fullmatch(pattern, r) for r in d.reasons), d.reasons
     assert "promotion possible in ~" in d.reasons[0]
     ev_rec = next(e for e in d.evidence if (e.metric, e.segment) == ("completion_rate", "chat"))
@@ -395,7 +409,7 @@ def test_a_shadow_only_forecast_counts_its_own_pairs():
     f = comp.forecast
     assert comp.verdict != WITHIN and f is not None and f.needed_n is not None
     assert re.fullmatch(r"segment chat: agreement vs noise floor non-inferiority needs ~[\d.]+k? more shadow "
-                        r"samples \(~.+ at current traffic\)", comp.forecast_reason()), comp.forecast_reason()
+                        r"samples \(~.+ at this step's average traffic\)", comp.forecast_reason()), comp.forecast_reason()
     assert f.eta_s == pytest.approx(f.needed_n / (1000 / 600), rel=0.02)  # at the window's shadow samples/s
 
     def verdict_after(extra: int) -> int:

@@ -418,9 +418,10 @@ def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], 
         if pending:
             etas = [c.forecast.eta_s if c.forecast else None for c in pending]
             known = [e for e in etas if e is not None]
-            when = (f"; promotion possible in ~{duration_text(max(known))} at current traffic"
+            when = (f"; promotion possible in ~{duration_text(max(known))} at this step's average traffic"
                     if len(known) == len(etas) else "")
-            lines.append(f"{where}: waiting for non-inferiority in {len(pending)} of {len(gates)} comparisons{when}")
+            lines.append(f"{where}: waiting for non-inferiority in {len(pending)} of {len(gates)} comparisons{when}"
+                         + _not_gating_yet(comparisons, rc))
             for c in _slowest_first(pending)[:MAX_HOLD_REASONS]:
                 lines += [line for line in (c.forecast_reason(), c.reason()) if line]
             if len(pending) > MAX_HOLD_REASONS:
@@ -431,6 +432,17 @@ def decide(state: RolloutState, rc: RouteConfig, comparisons: list[Comparison], 
         lines.append(f"{where}: holding")
     ev = [c.evidence() for c in (pending if step_ready else [c for c in comparisons if c.segment == "overall"])]
     return LastDecision(decision="hold", reasons=lines, evidence=ev, ts=now)
+
+
+def _not_gating_yet(comparisons: list[Comparison], rc: RouteConfig) -> str:
+    """The comparisons with data that will gate promotion too once both arms have enough samples:
+    an ETA holds only if they show non-inferiority as well."""
+    later = [c for c in comparisons if c.n > 0 and not gating(c, rc)]
+    if not later:
+        return ""
+    segments = sorted({c.segment for c in later})
+    return (f"; {len(later)} more comparisons (segment{'s' if len(segments) > 1 else ''} {', '.join(segments)}) "
+            f"gate once both arms have {rc.rollout.min_samples_per_step} samples")
 
 
 def _where(state: RolloutState, steps: list[float]) -> str:

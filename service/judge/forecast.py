@@ -35,7 +35,7 @@ NO_ESTIMATE = "no forecast yet: an arm has too few samples or sessions for an in
 @dataclass(frozen=True, slots=True)
 class Forecast:
     needed_n: int | None     # more observations in the comparison's unit (sample_unit); None: not at this effect
-    eta_s: float | None      # how long at the current traffic; None when unknown or not reachable
+    eta_s: float | None      # how long at this step's average traffic; None when unknown or not reachable
     no_eta: str | None = None  # why eta_s is None (NO_ESTIMATE: and needed_n, as there is no estimate yet)
 
 
@@ -108,7 +108,7 @@ def describe(where: str, label: str, f: Forecast, unit: str, effect_text: str, m
         return (f"{where}: {label} non-inferiority cannot be shown at the current effect ({effect_text}, "
                 f"margin {margin_text}): widen the margin or fix the candidate")
     if f.eta_s is not None:
-        when = f" (~{duration_text(f.eta_s)} at current traffic)"
+        when = f" (~{duration_text(f.eta_s)} at this step's average traffic)"
     else:
         when = f" ({f.no_eta})" if f.no_eta else ""
     return f"{where}: {label} non-inferiority needs ~{count_text(f.needed_n)} more {unit}{when}"
