@@ -522,6 +522,40 @@ def test_client_retry_detection(stack):
     assert metric_value(text, "modelcanary_client_retries_total", route="support-bot") == 2
 
 
+def test_a_client_retry_goes_to_the_arm_whose_answer_it_retries(servers):
+    """Without a session, a client's retry is placed in the split like the request it repeats: it is
+    answered, and counted as a retry, by the arm the client did not accept (at a 1% step, a canary's
+    retries landing on stable would hide the canary's retry rate)."""
+    sim = servers.simulator()
+    cfg = proxy_config(sim.url, rollout={"steps": [50], "mode": "advisory", "min_step_seconds": 3600,
+                                         "max_step_seconds": 7200, "min_shadow_samples": 10**9,
+                                         "min_samples_per_step": 10**9})
+    proxy = servers.proxy(cfg, env={"MODELCANARY_ADMIN_TOKEN": TOKEN})
+    assert admin(proxy, "POST", "/admin/rollouts/support-bot/promote")[0] == 200  # shadow → 50%
+
+    async def ask(question: str, retry: bool) -> str:
+        headers = {"x-stainless-retry-count": "1"} if retry else {}
+        body = {"model": "support-bot", "messages": [{"role": "user", "content": question}]}
+        async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json=body,
+                                                        headers=headers) as r:
+            await r.read()
+            return r.headers["x-modelcanary-role"]
+
+    async def both(i: int) -> tuple[str, str]:
+        return await ask(f"question {i}", False), await ask(f"question {i}", True)
+
+    async def run() -> list[tuple[str, str]]:
+        return list(await asyncio.gather(*(both(i) for i in range(40))))
+    pairs = asyncio.run(run())
+    assert all(first == again for first, again in pairs), pairs
+    firsts = [first for first, _ in pairs]
+    assert 0 < firsts.count("canary") < 40  # both arms answered first requests: the split still splits
+    text = scrape(proxy.url)
+    for role in ("stable", "canary"):
+        assert metric_value(text, "modelcanary_client_retries_total", route="support-bot", role=role) == \
+            firsts.count(role), role
+
+
 def test_upstream_key_from_env_and_client_key_passthrough(servers):
     sim = servers.simulator(sim_config(api_key="sim-secret-key"))
     cfg = proxy_config(sim.url)

@@ -31,6 +31,7 @@ from service.proxy.native import on_leave_in_scope
 from service.proxy.outcome import COMPLETED, Verdict, failed, upstream_refused
 from service.proxy.owners import Owner, ResponseOwners
 from service.proxy.recorder import Call
+from service.proxy.retries import fingerprint, split_unit
 from service.proxy.routing import pick
 from service.proxy.sampler import opted_out
 from service.proxy.segments import classify_segment
@@ -73,7 +74,8 @@ class FormatEndpoint:
             segment = classify_segment(view, headers.get("x-task-type"),
                                        proxy.config.routes[route].task_types if route is not None else ())
             proxy.refuse_other_api(name, fmt.provider_api)
-            model_key, role = await self._pick(name, route, body, session_key, stateful, segment)
+            seen = fingerprint(f"{client_authorization(headers) or ''}|{session_key or ''}", raw)
+            model_key, role = await self._pick(name, route, body, session_key, stateful, segment, split_unit(seen))
         except BadRequest as e:
             return e.response(fmt.error_response)
         except ClientDisconnect:
@@ -85,8 +87,7 @@ class FormatEndpoint:
                     no_shadow=opted_out(headers.get("x-modelcanary-no-shadow")),
                     traceparent=headers.get("traceparent"), stateful=stateful is not None, view=view,
                     headers={k: headers[k] for k in FORWARDED_REQUEST_HEADERS if k in headers} or None)
-        call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"),
-                                                   f"{client_authorization(headers) or ''}|{session_key or ''}", raw)
+        call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"), seen)
         model = proxy.config.models[model_key]
         provider = proxy.providers[model.provider]
         asked = fmt.model_body(body, model)
@@ -121,13 +122,14 @@ class FormatEndpoint:
         return await self.owners.wait(response_id, self.owner_wait_s)
 
     async def _pick(self, name: str, route: str | None, body: dict, session_key: str | None,
-                    stateful: str | None, segment: str) -> tuple[str, Role]:
-        """(model key, role): by the split, unless the request refers to state one model holds."""
+                    stateful: str | None, segment: str, unit: float) -> tuple[str, Role]:
+        """(model key, role): by the split (`unit` places a request without a session), unless the
+        request refers to state one model holds."""
         if route is None:
             return name, "stable"
         rc = self.proxy.config.routes[route]
         if stateful in (None, "background", "container") or (stateful == "conversation" and rc.candidate is None):
-            return pick(route, self.proxy.book.routing[route], session_key, segment)
+            return pick(route, self.proxy.book.routing[route], session_key, segment, unit)
         if stateful == "conversation":
             return rc.stable, "stable"
         response_id = body["previous_response_id"]
@@ -137,7 +139,7 @@ class FormatEndpoint:
         owner = await self.owners.wait(response_id, self.owner_wait_s if waits else 0.0)
         elsewhere = owner is not None and not owner.serves(route, rc)
         if (owner is None or elsewhere) and rc.candidate is None:  # one model: the one that stored what the route answered
-            return pick(route, self.proxy.book.routing[route], session_key, segment)
+            return pick(route, self.proxy.book.routing[route], session_key, segment, unit)
         if owner is None or elsewhere or owner.model not in self.proxy.config.models:
             known = (f"was answered on route '{owner.route}', not '{route}'" if elsewhere and owner is not None else
                      f"was not answered through this proxy lately, so which of route '{route}''s models stores it "

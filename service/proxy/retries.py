@@ -1,4 +1,8 @@
-"""Recognise a client's retry: the SDK's retry counter, or the same request seen again lately."""
+"""Recognise a client's retry: the SDK's retry counter, or the same request seen again lately.
+
+A request is known by its fingerprint: the client's credential and session with the body's bytes.
+Without a session, the fingerprint also places the request in the split (`split_unit`), so that a
+client's retry goes to the arm whose answer it retries and is counted against that arm."""
 
 from __future__ import annotations
 
@@ -8,6 +12,17 @@ from service.recent import Recent
 
 WINDOW_S = 300.0
 MAX_ENTRIES = 100_000
+_UNIT = 2.0**-64
+_MASK = (1 << 64) - 1
+
+
+def fingerprint(client: str, body: bytes) -> int:
+    return hash((client, body))
+
+
+def split_unit(fingerprint: int) -> float:
+    """A number in [0, 1) from the fingerprint: the same for the same request in this process."""
+    return (fingerprint & _MASK) * _UNIT
 
 
 class RetryDetector:
@@ -15,9 +30,8 @@ class RetryDetector:
         self._window_us = round(window_s * 1e6)
         self._seen = Recent(max_entries, width=1)  # fingerprint -> last seen, µs of time.monotonic()
 
-    def is_retry(self, sdk_retry_count: str | None, client: str | None, body: bytes, now: float | None = None) -> bool:
+    def is_retry(self, sdk_retry_count: str | None, fingerprint: int, now: float | None = None) -> bool:
         now_us = round((now or time.monotonic()) * 1e6)
-        fingerprint = hash((client, body))
         last = self._seen.put(fingerprint, now_us)
         if sdk_retry_count and sdk_retry_count not in ("0", ""):
             return True

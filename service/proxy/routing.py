@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import random
 
 from service.records import Role, RolloutState
 from service.rollout.book import TERMINAL, Split
@@ -17,16 +16,17 @@ def unit_hash(*parts: str) -> float:
     return int.from_bytes(digest, "big") / _SCALE
 
 
-def pick(route: str, split: Split, session_key: str | None, segment: str | None = None) -> tuple[str, Role]:
-    """(model key, role). A session never flips mid-way unless the weight changes. With
-    rollout.scope segment the request's segment has its own split (none yet: the stable model)."""
+def pick(route: str, split: Split, session_key: str | None, segment: str | None, unit: float) -> tuple[str, Role]:
+    """(model key, role). A session never flips mid-way unless the weight changes; a request without
+    one is placed by `unit`, uniform in [0, 1). With rollout.scope segment the request's segment has
+    its own split (none yet: the stable model)."""
     if split.segments is not None and segment is not None:
         split = split.segments.get(segment, split)
     if split.canary is None or split.weight <= 0.0:
         return split.stable, "stable"
     if split.weight >= 1.0:
         return split.canary, "canary"
-    u = unit_hash(route, session_key) if session_key else random.random()
+    u = unit_hash(route, session_key) if session_key else unit
     return (split.canary, "canary") if u < split.weight else (split.stable, "stable")
 
 
