@@ -31,7 +31,7 @@ from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.records import PASSTHROUGH_SEGMENT, Role
 from service.rollout.book import RolloutBook
 from service.upstream.base import Provider, UpstreamReply
-from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields, json_object
+from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields, in_answer_cause, json_object
 from service.upstream.model_settings import model_body
 from service.upstream.retry import RetryBudget, send_with_retries
 
@@ -332,13 +332,26 @@ class Proxy:
             call.response = data
             call.verdict = judge(data)
             if call.verdict.cause == "bad_response":
-                call.status = 502
-                return openai_error(502, f"upstream response is not a chat completion: {call.verdict.detail}",
-                                    code="bad_response", headers=headers)
+                return self._not_a_completion(call, data, call.verdict.detail, headers)
             call.finish_reasons = [reason for c in data.get("choices", ()) if isinstance(c, dict)
                                    and (reason := c.get("finish_reason"))]
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
         return self._upstream_error(call, reply, headers)
+
+    @staticmethod
+    def _not_a_completion(call: Call, data: dict, detail: str | None, headers: dict[str, str]) -> Response:
+        """A 502 for a 2xx that is no chat completion. An error object in it keeps its cause (as in a
+        stream) and its message, and the refused call bills nothing."""
+        call.status = 502
+        error = data.get("error")
+        if not isinstance(error, dict):
+            return openai_error(502, f"upstream response is not a chat completion: {detail}", code="bad_response",
+                                headers=headers)
+        call.response = None
+        call.verdict = failed(in_answer_cause(error.get("code")))
+        message = error_fields(data)[1]
+        return openai_error(502, "upstream answered HTTP 200 with an error" + (f": {message[:500]}" if message else ""),
+                            code=call.verdict.cause, headers=headers)
 
     def _upstream_error(self, call: Call, reply: UpstreamReply, headers: dict[str, str]) -> Response:
         """The upstream's error with its status and cause: its JSON body as it came, any other body in an

@@ -222,7 +222,7 @@ def test_connection_refused_reset_and_dropped_are_connection_errors(faults):
         status, raw, _ = asyncio.run(post(proxy.url, chat("via-fault-m")))
         assert status == 502, (mode, raw)
         assert_openai_error(raw, "connection_error")
-        assert 1 <= fault.connections <= 4  # retried, at most max_retries (3) times
+        assert 2 <= fault.connections <= 4, (mode, fault.connections)  # retried, at most max_retries (3) times
         assert failures(proxy, "via-fault-m", "connection_error", before + 1) == before + 1
     fault.set_mode("pass")
     status, _, _ = asyncio.run(post(proxy.url, chat("via-fault-m")))
@@ -273,6 +273,9 @@ def http_reply(status: str, content_type: str, body: bytes, length: int | None =
 HTML_200 = http_reply("200 OK", "text/html", b"<html>gateway says hi</html>")
 ARRAY_200 = http_reply("200 OK", "application/json", b"[1, 2]")
 NO_CHOICES_200 = http_reply("200 OK", "application/json", b'{"choices": []}')
+ERROR_200 = http_reply("200 OK", "application/json",  # an error object in a 200: its code says what failed
+                       b'{"error": {"message": "Rate limit reached for requests", "type": "requests", '
+                       b'"code": "rate_limit_exceeded"}}')
 HTML_500 = http_reply("500 Internal Server Error", "text/html", b"<h1>upstream 500</h1>")
 SHORT_BODY = http_reply("200 OK", "application/json", b'{"id": "chatcmpl-1", "choices": [', length=5000)
 GARBAGE = b"SSH-2.0-OpenSSH_9.6\r\n\r\n"
@@ -288,18 +291,20 @@ SSE_DONE_UNFINISHED = SSE_NO_END + b"data: [DONE]\n\n"  # llama.cpp's server whe
     (HTML_200, False, 502, "bad_response"),
     (ARRAY_200, False, 502, "bad_response"),
     (NO_CHOICES_200, False, 502, "bad_response"),
+    (ERROR_200, False, 502, "rate_limited"),
     (HTML_500, False, 500, "provider_5xx"),
     (SHORT_BODY, False, 502, "connection_error"),   # the body ends before its content-length: a transport fault
     (GARBAGE, False, 502, "connection_error"),      # not HTTP at all
     (SSE_NO_END, True, 200, "bad_response"),        # stream ends cleanly without finish_reason or [DONE]
     (SSE_GARBAGE, True, 200, "bad_response"),
     (SSE_DONE_UNFINISHED, True, 200, "bad_response"),
-], ids=["html-200", "array-200", "no-choices", "html-500", "short-body", "not-http", "sse-no-end", "sse-garbage",
+], ids=["html-200", "array-200", "no-choices", "error-200", "html-500", "short-body", "not-http", "sse-no-end", "sse-garbage",
         "sse-done-unfinished"])
 def test_malformed_upstream_answers_are_attributed_never_a_proxy_500(faults, reply, stream, status, cause):
     proxy, fault = faults
     fault.set_mode("reply", reply=reply)
     before = failures(proxy, "via-fault-m", cause)
+    tokens = metric_value(scrape(proxy.url), "modelcanary_tokens_total", model="via-fault-m")
     got, raw, _ = asyncio.run(post(proxy.url, chat("via-fault-m", stream=stream)))
     assert got == status, raw
     if stream:  # the client is told, before any [DONE] (where SDKs stop reading): never silently
@@ -310,6 +315,9 @@ def test_malformed_upstream_answers_are_attributed_never_a_proxy_500(faults, rep
     else:
         err = assert_openai_error(raw)
         assert err["code"] != "proxy_error"
+        if reply is ERROR_200:  # the upstream's words reach the client; a refused call bills nothing
+            assert err["code"] == cause and "Rate limit reached" in err["message"], err
+            assert metric_value(scrape(proxy.url), "modelcanary_tokens_total", model="via-fault-m") == tokens
     assert failures(proxy, "via-fault-m", cause, before + 1) == before + 1
     assert metric_value(scrape(proxy.url), "modelcanary_failures_total", cause="proxy_error") == 0
 
