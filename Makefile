@@ -48,7 +48,7 @@ demo: $(STAMP) $(if $(findstring --real-model,$(ARGS)),real-llm)
 # test files run in PYTEST_WORKERS pytest-xdist processes (0: one process)
 PYTEST_WORKERS ?= 2
 test: $(STAMP) system-deps real-llm
-	$(PY) -m pytest tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(ARGS)
+	$(PY) -m pytest tests --durations=20 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(ARGS)
 
 bench: $(STAMP) system-deps
 	$(PY) benchmarks/run_all.py $(ARGS)
