@@ -47,7 +47,7 @@ from collectors.spend import OverBudget, SpendCap
 from service import __version__, metrics
 from service.bus import EventBus, Subscription, make_bus
 from service.bus.base import SHADOW_GROUP
-from service.config import Checks, Config
+from service.config import Checks, Config, ModelConfig
 from service.proxy.formats import CHAT, ApiFormat, format_of
 from service.proxy.outcome import failed, upstream_refused
 from service.recent import Recent
@@ -56,6 +56,7 @@ from service.records import (
     EvaluationRecord,
     EvaluationResult,
     PairwiseJudgement,
+    PrimaryResult,
     Repro,
     Stability,
     TrafficEvent,
@@ -203,7 +204,7 @@ class ShadowClient:
         self.spend.add(route, result.cost_usd, share=share)
         result.span = span
         if finish_span:
-            end_span(result, body, fmt)
+            end_span(result, body, fmt, model)
         return result
 
     def format_of(self, model_key: str, body: dict) -> ApiFormat:
@@ -267,9 +268,10 @@ class RecordCaller:
                                       share=self.share, client_headers=self.client_headers)
 
 
-def end_span(call: ShadowCall, body: dict, fmt: ApiFormat) -> None:
+def end_span(call: ShadowCall, body: dict, fmt: ApiFormat, model: ModelConfig) -> None:
     """End a shadow call's span with its outcome (no-op without tracing). Its content is the chat
-    view of the request (`body`, in `fmt`) and of the answer, as on the live span."""
+    view of the request (`body`, in `fmt`) as `model` was asked it (its system_prompt and params in)
+    and of the answer, as on the live span."""
     span = call.span
     if span is None:
         return
@@ -279,7 +281,7 @@ def end_span(call: ShadowCall, body: dict, fmt: ApiFormat) -> None:
                 finish_reasons=[c.get("finish_reason") for c in response.get("choices") or ()
                                 if isinstance(c, dict) and c.get("finish_reason")],
                 cause=None if call.verdict.ok else call.verdict.cause,  # max_tokens: completed, no error
-                prompt=fmt.view(body).get("messages"), completion=response.get("choices"))
+                prompt=fmt.view(fmt.model_body(body, model)).get("messages"), completion=response.get("choices"))
 
 
 # ---- the worker ----------------------------------------------------------------------------------
@@ -472,6 +474,7 @@ class ShadowWorker:
     async def _one(self, event: TrafficEvent, candidate_key: str, stable_key: str,
                    again_task: asyncio.Future | None, stable_side: StableSide) -> EvaluationRecord:
         request = event.request
+        model = self.config.models[candidate_key]  # as asked (a reload may take it off meanwhile)
         candidate: ShadowCall | None = None
         try:
             candidate = await self.client.call(event.route, candidate_key, request, link_traceparent=event.traceparent,
@@ -480,7 +483,7 @@ class ShadowWorker:
             return await self._score(event, stable_key, candidate, stable_again, stable_side)
         finally:
             if candidate is not None:  # after the evaluations were added to its span
-                end_span(candidate, request, self.client.format_of(candidate_key, request))
+                end_span(candidate, request, self.client.format_of(candidate_key, request), model)
 
     async def _score(self, event: TrafficEvent, stable_key: str, candidate: ShadowCall,
                      stable_again: ShadowCall | None, stable_side: StableSide) -> EvaluationRecord:
@@ -500,9 +503,7 @@ class ShadowWorker:
         chosen = [e for e in self.evaluators if e.selected(ctx)]
         evaluations = [await self._run_one(e, ctx) for e in chosen]  # the slow ones (judge, stability) are rare
 
-        usage = event.primary.usage or {}
-        stable_cost = config.models[stable_key].price.cost(int(usage.get("prompt_tokens") or 0),
-                                                           int(usage.get("completion_tokens") or 0))
+        stable_cost = paired_stable_cost(config, event.primary, stable_key, stable_again)
         verdict = candidate.verdict
         params: dict = {"candidate": candidate_key, "candidate_upstream": config.models[candidate_key].name,
                         "stable": stable_key, "noise_floor": rc.shadow.noise_floor,
@@ -571,6 +572,19 @@ class ShadowWorker:
             metrics.shadow_evaluations_total.labels(route, candidate_key, result.name, outcome).inc()
             if span is not None:
                 span.evaluation(result.name, result.score, result.passed, result.detail)
+
+
+def paired_stable_cost(config: Config, primary: PrimaryResult, stable_key: str,
+                       stable_again: ShadowCall | None) -> float | None:
+    """The stable side of the candidate's cost pair: the live answer priced on its usage. Usage the
+    proxy estimated from the text (a stream whose upstream told none) is no match for the candidate's
+    measured call, so the stable model asked again (the noise floor, measured the same way) stands in,
+    as in a golden-set replay; without a completed one there is no pair (None)."""
+    if primary.usage_estimated:
+        return stable_again.cost_usd if stable_again is not None and stable_again.verdict.ok else None
+    usage = primary.usage or {}
+    return config.models[stable_key].price.cost(int(usage.get("prompt_tokens") or 0),
+                                                int(usage.get("completion_tokens") or 0))
 
 
 def _observe_noise_floor(route: str, stable_key: str, record: EvaluationRecord) -> None:

@@ -512,28 +512,69 @@ class TracingConfig(Strict):
     @field_validator("otlp_endpoint")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
-        """OTLP over HTTP: an http(s) URL (else every export fails and logs the URL, credentials and all)."""
+        """OTLP over HTTP: an http(s) URL (else every export fails and logs the URL, credentials and all),
+        with no credentials in it: the exporter logs the URL whenever the collector is unreachable."""
         if v and (problem := _http_url_problem(v)) is not None:
             raise ValueError(f"must be an http(s) URL with a host and a valid port, got one whose {problem} "
                              "(the rest of the URL is not shown: it may hold a secret)")
+        if v and _holds_credentials(v):
+            raise ValueError("must not carry a query string, a fragment or user:password@, got one that does "
+                             "(not shown: the exporter logs its URL); give the collector's credentials as headers "
+                             "in the OTEL_EXPORTER_OTLP_HEADERS environment variable (e.g. api-key=...)")
         return v
+
+
+def _holds_credentials(url: str) -> bool:
+    """Whether a URL has a query, a fragment or a userinfo part (where a key would be)."""
+    parts = urlsplit(url)
+    return bool(parts.query or parts.fragment or "@" in parts.netloc)
 
 
 class NotifyConfig(Strict):
     webhook_url: str | None = None
+    webhook_url_env: EnvName | None = None  # names a variable holding the URL (from a Secret), as api_key_env
 
     @field_validator("webhook_url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
-        """An http(s) URL with a host and a valid port (else every POST fails, at run time). The
-        error never quotes the URL: its path (Slack, Teams) or user:password@ is the secret."""
+        """An http(s) URL with a host and a valid port (else every POST fails, at run time)."""
         if not v:
             return v  # "" is no webhook, as null
-        problem = _http_url_problem(v)
+        problem = NotifyConfig._unusable(v)
         if problem is not None:
-            raise ValueError(f"must be an http(s) URL with a host and a valid port, got one whose {problem} "
-                             "(the rest of the URL is not shown: it may hold a secret)")
+            raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> NotifyConfig:
+        if self.webhook_url and self.webhook_url_env:
+            raise ValueError("give webhook_url or webhook_url_env, not both")
+        return self
+
+    @staticmethod
+    def _unusable(url: str) -> str | None:
+        """Why no POST to `url` can work, or None. Never quotes it: its path (Slack, Teams) or
+        user:password@ is the secret."""
+        problem = _http_url_problem(url)
+        if problem is None:
+            return None
+        return (f"must be an http(s) URL with a host and a valid port, got one whose {problem} "
+                "(the rest of the URL is not shown: it may hold a secret)")
+
+    def resolved_url(self) -> str | None:
+        """The URL to POST to (None: no webhook): `webhook_url`, or the value of `webhook_url_env`'s
+        variable without the whitespace around it (a Secret file's line break). A ValueError names the
+        variable and what is wrong with its value, never the value."""
+        variable = self.webhook_url_env
+        if not variable:
+            return self.webhook_url or None
+        url = os.environ.get(variable, "").strip()
+        if not url:
+            raise ValueError(f"notify.webhook_url_env: environment variable {variable!r} is not set")
+        problem = NotifyConfig._unusable(url)
+        if problem is not None:
+            raise ValueError(f"notify.webhook_url_env: the value of {variable!r} {problem}")
+        return url
 
 
 def _http_url_problem(url: str) -> str | None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -25,18 +27,22 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
     from service.config import TracingConfig
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 OPERATION = "chat"
 EVALUATION_EVENT = "gen_ai.evaluation.result"
+SHUTDOWN_TIMEOUT_S = 1.5  # how long stopping waits for the collector to take the spans left (docs/reliability.md)
 
 
 def _traces_url(endpoint: str) -> str:
-    """A base OTLP/HTTP endpoint (as in OTEL_EXPORTER_OTLP_ENDPOINT) → its traces URL."""
-    endpoint = endpoint.rstrip("/")
-    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
+    """A base OTLP/HTTP endpoint (as in OTEL_EXPORTER_OTLP_ENDPOINT) → its traces URL: /v1/traces
+    after its path (the config refuses a query, a fragment and credentials in it)."""
+    parts = urlsplit(endpoint)
+    path = parts.path.rstrip("/")
+    return parts._replace(path=path if path.endswith("/v1/traces") else path + "/v1/traces").geturl()
 
 
 def _context_from(traceparent: str | None, tracestate: str | None = None):
@@ -63,15 +69,20 @@ def _content(value: object) -> str:
 
 
 class Tracing:
-    """The process's tracer. Build one at start; `shutdown()` flushes the spans left."""
+    """The process's tracer. Build one at start; `shutdown()` flushes the spans left. A reload that
+    replaces it calls `retire()` instead. Used from one thread (the event loop's)."""
 
     def __init__(self, cfg: TracingConfig, service_name: str = "modelcanary"):
-        self.capture_content = bool(cfg.capture_content)
+        self.capture_content = bool(cfg.capture_content)  # a reload may change it: read as each span ends
         env_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
             "OTEL_EXPORTER_OTLP_ENDPOINT")
         self.enabled: bool = bool(cfg.otlp_endpoint or env_endpoint)
         self._provider: TracerProvider | None = None
+        self._exporter: SpanExporter | None = None
         self._tracer: trace.Tracer | None = None
+        self._open = 0  # spans started and not finished
+        self._retired = False
+        self._stopping = threading.Lock()
         if not self.enabled:
             return
 
@@ -84,8 +95,11 @@ class Tracing:
         # (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as is, OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces).
         exporter = OTLPSpanExporter(endpoint=_traces_url(cfg.otlp_endpoint)) if cfg.otlp_endpoint \
             else OTLPSpanExporter()
-        self._provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+        # shut down by `shutdown()`, bounded; an atexit hook would also keep every retired provider alive
+        self._provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}),
+                                        shutdown_on_exit=False)
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
+        self._exporter = exporter
         from service import __version__ as version
 
         self._tracer = self._provider.get_tracer("modelcanary", version)
@@ -129,25 +143,50 @@ class Tracing:
             attributes=attributes,
             links=links,
         )
-        return CallSpan(self, span, request_model, provider)
+        self._open += 1
+        return CallSpan(self, span, request_model, provider, operation)
+
+    def retire(self, wait: bool = True) -> None:
+        """Replaced by a reload: stop once the spans started on this tracer have ended (`wait=False`:
+        now), in a thread of its own (stopping may wait for the collector)."""
+        self._retired = True
+        if self._open == 0 or not wait:
+            self._stop_in_background()
+
+    def _ended(self) -> None:
+        self._open -= 1
+        if self._retired and self._open == 0:
+            self._stop_in_background()
+
+    def _stop_in_background(self) -> None:
+        threading.Thread(target=self.shutdown, name="tracing-stop", daemon=True).start()
 
     def shutdown(self) -> None:
-        """Export what is buffered and stop (idempotent)."""
-        provider, self._provider, self._tracer = self._provider, None, None
-        if provider is not None:
-            provider.shutdown()
+        """Export what is buffered and stop (idempotent), waiting at most SHUTDOWN_TIMEOUT_S: a
+        collector that is down or slow does not hold up the exit; the spans it did not take are lost."""
+        with self._stopping:
+            provider, exporter = self._provider, self._exporter
+            self._provider, self._exporter, self._tracer = None, None, None
+        if provider is None or exporter is None:
+            return
+        flushing = threading.Thread(target=provider.shutdown, name="tracing-flush", daemon=True)
+        flushing.start()
+        flushing.join(SHUTDOWN_TIMEOUT_S)
+        if flushing.is_alive():
+            exporter.shutdown()  # ends the exporter's retries, and with them the flush
 
 
 class CallSpan:
     """One proxied or shadow call. Not thread-safe; one owner (the request's task)."""
 
-    __slots__ = ("_tracing", "_span", "_model", "_provider", "_finished")
+    __slots__ = ("_tracing", "_span", "_model", "_provider", "_operation", "_finished")
 
-    def __init__(self, tracing: Tracing, span: trace.Span, request_model: str, provider: str):
+    def __init__(self, tracing: Tracing, span: trace.Span, request_model: str, provider: str, operation: str):
         self._tracing = tracing
         self._span = span
         self._model = request_model
         self._provider = provider
+        self._operation = operation
         self._finished = False
 
     @property
@@ -174,7 +213,7 @@ class CallSpan:
             context=trace.set_span_in_context(self._span),
             kind=SpanKind.CLIENT,
             attributes={
-                "gen_ai.operation.name": OPERATION,
+                "gen_ai.operation.name": self._operation,
                 "gen_ai.provider.name": self._provider,
                 "gen_ai.request.model": self._model,
                 "modelcanary.upstream.attempt": attempt,
@@ -211,8 +250,8 @@ class CallSpan:
         self,
         *,
         response_model: str | None,
-        input_tokens: int,
-        output_tokens: int,
+        input_tokens: int | None,
+        output_tokens: int | None,
         finish_reasons: list[str],
         cause: str | None,
         prompt: object | None = None,
@@ -220,7 +259,8 @@ class CallSpan:
     ) -> None:
         """Record the outcome and end the span (a second call does nothing).
 
-        `cause` is the failure cause (DESIGN §6), None when the call completed.
+        `cause` is the failure cause (DESIGN §6), None when the call completed. Tokens are None
+        when unknown (a passed-through answer is not read): left out, as a zero reads as measured.
         `prompt`/`completion` are recorded only with `tracing.capture_content: true`.
         """
         if self._finished:
@@ -229,8 +269,10 @@ class CallSpan:
         span = self._span
         if response_model:
             span.set_attribute("gen_ai.response.model", response_model)
-        span.set_attribute("gen_ai.usage.input_tokens", int(input_tokens))
-        span.set_attribute("gen_ai.usage.output_tokens", int(output_tokens))
+        if input_tokens is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", int(input_tokens))
+        if output_tokens is not None:
+            span.set_attribute("gen_ai.usage.output_tokens", int(output_tokens))
         if finish_reasons:
             span.set_attribute("gen_ai.response.finish_reasons", [str(r) for r in finish_reasons])
         if cause:
@@ -242,3 +284,4 @@ class CallSpan:
             if completion is not None:
                 span.set_attribute("gen_ai.output.messages", _content(completion))
         span.end()
+        self._tracing._ended()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -294,3 +295,99 @@ def test_a_working_webhook_url_passes_check_config(tmp_path):
     }))
     assert check_config(path).returncode == 0
     assert load_config(path).notify.webhook_url == url
+
+
+def _notify_config(tmp_path: Path, notify: dict) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "providers": {"p": {"base_url": "http://127.0.0.1:1/v1"}},
+        "models": {"m": {"provider": "p", "name": "x"}},
+        "routes": {"r": {"stable": "m"}},
+        "notify": notify,
+    }))
+    return path
+
+
+def test_the_webhook_url_can_come_from_an_environment_variable(servers):
+    """A Slack-style URL whose path is the secret is given as notify.webhook_url_env (from a Secret, as
+    providers' api_key_env): check-config takes it, and the proxy POSTs the phase changes to it, a
+    Secret file's trailing line break left out, without ever logging it."""
+    import http.server
+    import json
+    import threading
+    import urllib.request
+
+    from tests.fixtures.servers import proxy_config
+
+    posted: list[str] = []
+    arrived = threading.Event()
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            posted.append(self.path)
+            arrived.set()
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{hook.server_address[1]}/services/T0SECRET/B0SECRET/XXSECRET"
+    env = {"MC_TEST_WEBHOOK": url + "\n", "MODELCANARY_ADMIN_TOKEN": "t0ken"}
+    cfg = proxy_config("http://127.0.0.1:1") | {"notify": {"webhook_url_env": "MC_TEST_WEBHOOK"}}
+    try:
+        proxy = servers.proxy(cfg, env=env)
+        checked = subprocess.run([sys.executable, "-m", "modelcanary", "check-config", str(proxy.config_path)],
+                                 capture_output=True, text=True, cwd=ROOT, timeout=60, env={**os.environ, **env})
+        assert checked.returncode == 0, checked.stderr
+        req = urllib.request.Request(proxy.url + "/admin/rollouts/support-bot/pause", method="POST", data=b"",
+                                     headers={"Authorization": "Bearer t0ken"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.loads(r.read())["phase"] == "paused"
+        assert arrived.wait(10), proxy.output()[-2000:]
+        proxy.stop()
+    finally:
+        hook.shutdown()
+    assert posted == ["/services/T0SECRET/B0SECRET/XXSECRET"]
+    assert "SECRET" not in proxy.output() + checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("notify,expected", [
+    ({"webhook_url": "https://hooks.slack.com/services/T0SECRET", "webhook_url_env": "HOOK"},
+     "notify: give webhook_url or webhook_url_env, not both"),
+    ({"webhook_url_env": "https://hooks.slack.com/services/T0SECRET"},
+     "notify.webhook_url_env: must name an environment variable"),
+])
+def test_check_config_refuses_a_webhook_url_env_that_cannot_work_without_showing_it(tmp_path, notify, expected):
+    result = check_config(_notify_config(tmp_path, notify))
+    assert result.returncode == 1
+    assert expected in result.stderr, result.stderr
+    assert "SECRET" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("value,problem", [
+    (None, "environment variable 'MC_TEST_WEBHOOK' is not set"),
+    ("  ", "environment variable 'MC_TEST_WEBHOOK' is not set"),
+    ("ftp://hooks.slack.com/services/T0SECRET", "the value of 'MC_TEST_WEBHOOK' must be an http(s) URL"),
+])
+def test_an_unset_or_unusable_webhook_variable_turns_notifications_off_with_a_warning(
+        tmp_path, monkeypatch, caplog, value, problem):
+    """As with a provider's unset api_key_env or the admin token's: the process starts, and says why
+    no notification will come, naming the variable but never its value."""
+    from service.bus.memory import MemoryBus
+    from service.rollout.book import RolloutBook
+    from service.rollout.controller import Controller
+
+    if value is None:
+        monkeypatch.delenv("MC_TEST_WEBHOOK", raising=False)
+    else:
+        monkeypatch.setenv("MC_TEST_WEBHOOK", value)
+    config = load_config(_notify_config(tmp_path, {"webhook_url_env": "MC_TEST_WEBHOOK"}))
+    controller = Controller(config, MemoryBus(), RolloutBook(config))
+    assert controller.notifier.url is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("notify.webhook_url_env" in w and problem in w for w in warnings), warnings
+    assert "SECRET" not in caplog.text

@@ -208,6 +208,19 @@ def arguments_of(case_part: dict, *path) -> str:
     return value
 
 
+def test_a_case_says_when_its_live_usage_was_estimated():
+    """A stream the upstream told no usage for: the case's live usage is a guess, and says so."""
+    case = captured({"model": ROUTE, "messages": [{"role": "user", "content": "hi"}]})
+    assert case.live is not None and not case.live.usage_estimated
+    config = parse_config(proxy_config("http://127.0.0.1:9", shadow={"sample_rate": 1.0}))
+    live = PrimaryResult(model="stable-m", status=200, latency_s=0.1, outcome="completed", usage_estimated=True,
+                         usage={"prompt_tokens": 9, "completion_tokens": 3})
+    event = TrafficEvent(request_id="r1", ts=time.time(), route=ROUTE, segment="chat", primary=live,
+                         request={"model": ROUTE, "messages": [{"role": "user", "content": "hi"}]}, config_version="v1")
+    [case] = capturing.select([event], config).cases
+    assert case.live is not None and case.live.usage_estimated and case.live.usage == live.usage
+
+
 def test_a_case_keeps_the_anthropic_headers_its_request_came_with_and_replays_them(tmp_path):
     config = parse_config(proxy_config("http://127.0.0.1:9", shadow={"sample_rate": 1.0}))
     headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "output-128k-2025-02-19"}

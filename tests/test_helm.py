@@ -40,6 +40,7 @@ CONFIG_PATH = "/etc/modelcanary/modelcanary.yaml"
 
 EVERYTHING = {
     "existingSecret": "llm-provider-keys",
+    "notify": {"existingSecret": "slack-webhook"},
     "kafka": {  # mutual TLS, no SASL
         "bootstrapServers": "kafka.data.svc:9093",
         "tls": {"enabled": True, "existingSecret": "kafka-client-tls", "certKey": "user.crt", "keyKey": "user.key"},
@@ -414,6 +415,30 @@ def test_the_charts_kafka_keys_win_over_the_users_in_either_form(chart, tmp_path
     check_config(path, {"MODELCANARY_KAFKA_SASL_USERNAME": "u", "MODELCANARY_KAFKA_SASL_PASSWORD": "p"})
 
 
+def test_the_webhook_url_comes_from_a_secret(chart, tmp_path, monkeypatch):
+    """A Slack-style webhook URL (its path is the secret) reaches the pods that notify (proxies: operator
+    actions; controllers: the judge's) from the Secret, and only its variable's name is in the ConfigMap."""
+    values = {"notify": {"existingSecret": "slack-webhook", "urlKey": "webhook-url"},
+              "config": {"notify": {"webhook_url_env": "MY_OWN_VARIABLE"}}}  # the chart's wins
+    docs = documents(render(chart, values))
+    assert rendered_config(docs)["notify"] == {"webhook_url_env": "MODELCANARY_WEBHOOK_URL"}
+    given = {"name": "MODELCANARY_WEBHOOK_URL",
+             "valueFrom": {"secretKeyRef": {"name": "slack-webhook", "key": "webhook-url"}}}
+    for component, gets_it in (("proxy", True), ("controller", True), ("workers", False)):
+        container = one(docs, "Deployment", component)["spec"]["template"]["spec"]["containers"][0]
+        assert (given in (container.get("env") or [])) is gets_it, component
+    assert not by_kind(docs, "Secret")
+    path = tmp_path / "modelcanary.yaml"
+    path.write_text(config_text(docs))
+    url = "https://hooks.slack.com/services/T0/B0/XX"
+    check_config(path, {"MODELCANARY_WEBHOOK_URL": url})
+    from service.config import load_config
+    from service.rollout.notify import configured_url
+
+    monkeypatch.setenv("MODELCANARY_WEBHOOK_URL", url)
+    assert configured_url(load_config(path).notify) == url
+
+
 def test_everything_enabled(rendered):
     docs = documents(rendered["everything"])
     proxy = one(docs, "Deployment", "proxy")
@@ -516,6 +541,9 @@ def test_schema_rejects_bad_values(chart, values, expected):
      "config.events.kafka.security.sasl_plain_password would put a secret in the ConfigMap"),
     ({"config": {"events": {"kafka": {"security": {"ssl_password": "hunter2"}}}}},
      "config.events.kafka.security.ssl_password would put a secret in the ConfigMap"),
+    ({"config": {"notify": {"webhook_url": "https://hooks.slack.com/services/T0/B0/XX"}}},
+     "config.notify.webhook_url would put a secret in the ConfigMap: give it from a Secret with "
+     "notify.existingSecret"),
 ])
 def test_render_refuses_unsafe_values(chart, values, expected):
     with pytest.raises(helm_python.HelmError) as err:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import threading
 import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
+import yaml
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -40,6 +43,7 @@ class Receiver:
         self.raw: list[bytes] = []
         self.paths: list[str] = []
         self.content_types: list[str] = []
+        self.headers: list[dict[str, str]] = []
         self._lock = threading.Lock()
         receiver = self
 
@@ -56,6 +60,7 @@ class Receiver:
                 with receiver._lock:
                     receiver.paths.append(self.path)
                     receiver.content_types.append(self.headers.get("Content-Type", ""))
+                    receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
                     receiver.raw.append(body)
                     receiver.requests.append(message)
                 reply = ExportTraceServiceResponse().SerializeToString()
@@ -119,7 +124,7 @@ def receiver():
 @pytest.fixture(autouse=True)
 def _no_otel_env(monkeypatch):
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_SAMPLER",
-                 "OTEL_SDK_DISABLED"):
+                 "OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -291,6 +296,63 @@ def test_unsampled_or_invalid_client_traceparent(receiver):
     assert "error.type" not in attrs(spans[0])
 
 
+def test_collector_credentials_are_refused_in_the_endpoint():
+    """A key in the collector's URL would be printed with it by the exporter's warnings: the config
+    refuses it, names the field and says where credentials go, without showing them."""
+    from service.config import ConfigError, parse_config
+    from tests.fixtures.servers import proxy_config
+
+    for endpoint in ("http://127.0.0.1:4318/otlp?api_key=SECRET-q", "http://user:SECRET-u@127.0.0.1:4318",
+                     "http://127.0.0.1:4318/otlp#SECRET-f"):
+        with pytest.raises(ConfigError) as refused:
+            parse_config({**proxy_config("http://127.0.0.1:9"), "tracing": {"otlp_endpoint": endpoint}})
+        message = "; ".join(refused.value.problems)
+        assert "tracing.otlp_endpoint" in message and "OTEL_EXPORTER_OTLP_HEADERS" in message, message
+        assert "SECRET" not in message, message
+
+
+def test_collector_headers_come_from_the_environment_and_paths_are_kept(receiver, monkeypatch):
+    """Where the refusal points to: OTEL_EXPORTER_OTLP_HEADERS reaches the collector; an endpoint's own
+    path gets /v1/traces appended."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "api-key=collector-key-42")
+    tracing = Tracing(TracingConfig(otlp_endpoint=receiver.url + "/otlp/"))
+    call = tracing.start_call(route="r", role="stable", request_model="m", provider="p", traceparent=None,
+                              stream=False)
+    call.finish(response_model="m", input_tokens=1, output_tokens=1, finish_reasons=["stop"], cause=None)
+    tracing.shutdown()
+    receiver.wait_spans(1)
+    assert receiver.paths == ["/otlp/v1/traces"]
+    assert receiver.headers[0]["api-key"] == "collector-key-42"
+
+
+def test_a_retry_span_names_its_calls_operation(receiver):
+    tracing = Tracing(TracingConfig(otlp_endpoint=receiver.url))
+    call = tracing.start_call(route="r", role="stable", request_model="m", provider="p", traceparent=None,
+                              stream=False, operation="embeddings")
+    t0 = time.time_ns()
+    call.retry(1, "provider_5xx", t0, t0 + 1_000_000)
+    call.finish(response_model="m", input_tokens=1, output_tokens=0, finish_reasons=[], cause=None)
+    tracing.shutdown()
+    names = by_name(receiver.wait_spans(2))
+    (retry,) = names["upstream retry"]
+    assert attrs(retry)["gen_ai.operation.name"] == "embeddings"
+
+
+def test_a_retired_tracer_stops_once_its_spans_have_ended(receiver):
+    """A reload's replaced tracer: the calls under way still end their spans on it, then its threads go."""
+    threads = threading.active_count()
+    tracing = Tracing(TracingConfig(otlp_endpoint=receiver.url))
+    call = tracing.start_call(route="r", role="stable", request_model="m", provider="p", traceparent=None,
+                              stream=False)
+    tracing.retire()
+    call.finish(response_model="m", input_tokens=1, output_tokens=1, finish_reasons=["stop"], cause=None)
+    assert [s.name for s in receiver.wait_spans(1)] == ["chat m"]
+    deadline = time.monotonic() + 10
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads, threading.enumerate()
+
+
 # ---- through the proxy and the shadow workers ------------------------------------------------------
 # The proxy in process (its app, on a TestClient) and the shadow workers on the traffic it sampled,
 # against the simulator (a subprocess) for Chat Completions, the Responses API and Anthropic Messages.
@@ -298,6 +360,7 @@ def test_unsampled_or_invalid_client_traceparent(receiver):
 SYSTEM_TEXT = "answer as the order desk"
 USER_TEXT = "where is my order 5151?"
 CLIENT_TRACESTATE = "vendor1=opaque-value,congo=t61rcWkgMzE"
+MODEL_PROMPTS = {"good-model": "you are the stable desk", "new-model": "you are the candidate desk"}
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +383,11 @@ def stack_config(sim_url: str, otlp_url: str, tmp_path, capture_content: bool = 
                    "other-m": {"provider": "sim", "name": "new-model"},
                    "judge-m": {"provider": "sim", "name": "judge-model"},
                    "stable-a": {"provider": "claude", "name": "good-model"},
-                   "candidate-a": {"provider": "claude", "name": "new-model"}},
+                   "candidate-a": {"provider": "claude", "name": "new-model"},
+                   "prompted-stable": {"provider": "sim", "name": "good-model", "system_prompt": MODEL_PROMPTS["good-model"],
+                                       "params": {"temperature": 0.1}},
+                   "prompted-candidate": {"provider": "sim", "name": "new-model",
+                                          "system_prompt": MODEL_PROMPTS["new-model"]}},
         "routes": {
             "chat-r": {"stable": "stable-m", "candidate": "candidate-m", "shadow": shadow},
             "resp-r": {"stable": "stable-m", "candidate": "candidate-m", "shadow": shadow},
@@ -331,6 +398,8 @@ def stack_config(sim_url: str, otlp_url: str, tmp_path, capture_content: bool = 
             "judged-2-r": {"stable": "stable-m", "candidates": ["candidate-m", "other-m"], "rollout": {"scope": "segment"},
                            "shadow": {**shadow, "judge": {"model": "judge-m"}, "stability": {"sample_rate": 1.0, "k": 3}}},
             "capped-r": {"stable": "stable-m", "candidate": "candidate-m", "shadow": shadow},
+            "prompted-r": {"stable": "prompted-stable", "candidate": "prompted-candidate", "shadow": shadow},
+            "prompted-resp-r": {"stable": "prompted-stable", "candidate": "prompted-candidate", "shadow": shadow},
         },
         "tracing": {"otlp_endpoint": otlp_url, "capture_content": capture_content},
         "state_dir": str(tmp_path / "state"),
@@ -347,6 +416,9 @@ REQUESTS: dict[str, tuple[str, dict, dict]] = {  # route -> (path, body, extra h
                                   "messages": [{"role": "user", "content": USER_TEXT}]},
                  {"anthropic-version": "2023-06-01"}),
 }
+
+
+PROMPTED_REQUESTS = {"prompted-r": REQUESTS["chat-r"], "prompted-resp-r": REQUESTS["resp-r"]}
 
 
 def answer_text(route: str, answer: dict) -> str:
@@ -376,7 +448,7 @@ def through_the_stack(config_dict: dict, routes: list[str], headers: dict[str, s
     answers, events = {}, []
     with TestClient(app) as client:
         for route in routes:
-            path, body, extra = REQUESTS.get(route, REQUESTS["chat-r"])
+            path, body, extra = {**REQUESTS, **PROMPTED_REQUESTS}.get(route, REQUESTS["chat-r"])
             r = client.post(path, json={"model": route, **body}, headers={**headers, **extra})
             assert r.status_code == 200, r.text
             answers[route] = r.json()
@@ -450,6 +522,22 @@ def test_content_is_recorded_alike_for_every_api(sim, receiver, tmp_path):
         recorded[route] = [content(live)] + [(m, bool(text)) for m, text in map(content, shadow)]
         expected[route] = [(conversation, answer_text(route, answers[route]))] + [(conversation, True)] * 2
     assert recorded == expected
+
+
+def test_content_is_what_each_model_was_asked(sim, receiver, tmp_path):
+    """With capture_content, a span's input messages are what its model was sent: the model's own
+    `system_prompt` first, live and shadow, whatever the API."""
+    routes = list(PROMPTED_REQUESTS)
+    through_the_stack(stack_config(sim.url, receiver.url, tmp_path, capture_content=True), routes, {})
+    receiver.wait_spans(3 * len(routes))
+    for route in routes:
+        live, shadow = spans_of(receiver, route)
+        for span in (live, *shadow):
+            model = attrs(span)["gen_ai.request.model"]
+            messages = json.loads(attrs(span)["gen_ai.input.messages"])
+            assert messages[0]["role"] == "system" and messages[0]["content"].startswith(MODEL_PROMPTS[model]), \
+                (route, model, messages)
+            assert messages[-1] == {"role": "user", "content": USER_TEXT}, (route, model, messages)
 
 
 def test_an_answer_at_the_clients_own_cap_is_no_error_in_traces(sim, receiver, tmp_path):
@@ -526,3 +614,71 @@ def test_a_passed_through_call_is_a_span_of_its_operation(sim, receiver, tmp_pat
     assert span.name == "embeddings good-model" and attrs(span)["gen_ai.operation.name"] == "embeddings"
     assert span.trace_id.hex() == CLIENT_TRACE_ID and span.parent_span_id.hex() == CLIENT_SPAN_ID
     assert attrs(span)["modelcanary.route"] == "support-bot"
+    # the proxy does not read a passed-through answer: its usage is unknown, not zero
+    assert not {"gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"} & set(attrs(span)), attrs(span)
+
+
+ADMIN_TOKEN = "tracing-admin-token"
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_reloads_of_the_tracing_settings_leave_no_threads_behind(sim, receiver, tmp_path):
+    """Each reload that changes `tracing` replaces the tracer: the old one stops once its calls have
+    ended (a `capture_content` change keeps the exporter), so the proxy's threads stay flat."""
+    import openai
+
+    from tests.fixtures.servers import proxy_config, start_proxy, write_yaml
+
+    cfg = proxy_config(sim.url)
+    cfg["tracing"] = {"otlp_endpoint": receiver.url}
+    proxy = start_proxy(tmp_path, cfg, env={"MODELCANARY_ADMIN_TOKEN": ADMIN_TOKEN})
+    written = yaml.safe_load(proxy.config_path.read_text())
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+
+    def reload_and_call(i: int) -> None:
+        # flips what spans record, then the collector URL (same collector, another spelling)
+        written["tracing"] = {"otlp_endpoint": receiver.url + ("/v1/traces" if i % 4 >= 2 else ""),
+                              "capture_content": i % 2 == 1}
+        write_yaml(proxy.config_path, written)
+        r = httpx.post(proxy.url + "/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+        assert r.status_code == 200, r.text
+        client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": f"q {i}"}])
+
+    try:
+        for i in range(2):  # the threads a first reload and call start for good (an executor's)
+            reload_and_call(i)
+        baseline = threads_of(proxy.proc.pid)
+        for i in range(2, 10):
+            reload_and_call(i)
+        deadline = time.monotonic() + 10
+        while threads_of(proxy.proc.pid) > baseline and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threads_of(proxy.proc.pid) <= baseline, f"threads {baseline} -> {threads_of(proxy.proc.pid)}"
+    finally:
+        proxy.stop()
+    chat_spans = [s for s in receiver.wait_spans(10) if s.name == "chat good-model"]
+    assert len(chat_spans) == 10  # every call's span was exported, also those of a retired tracer
+
+
+def test_sigterm_with_the_collector_down_exits_promptly(sim, tmp_path):
+    """The exporter does not hold the exit retrying a collector that is down (docs/reliability.md)."""
+    import openai
+
+    from tests.fixtures.servers import free_port, proxy_config, start_proxy
+
+    cfg = proxy_config(sim.url)
+    cfg["tracing"] = {"otlp_endpoint": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    proxy = start_proxy(tmp_path, cfg)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+    deadline = time.monotonic() + 30  # a stop waits for the shadow child to have started: not timed here
+    while "shadow worker started" not in proxy.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": "hello"}])
+    started = time.monotonic()
+    proxy.stop(timeout_s=30)  # its span waits in the exporter's queue (5 s): shutdown tries to send it
+    elapsed = time.monotonic() - started
+    # ~1 s without tracing; the exporter's own retries would add ~7 s, the bound adds at most 1.5 s
+    assert elapsed < 5, f"exited {elapsed:.1f} s after SIGTERM"

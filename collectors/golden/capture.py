@@ -27,7 +27,7 @@ from collectors.golden.redaction import redact
 from service.config import Config
 from service.proxy.recorder import compiled_redactions
 from service.proxy.routing import unit_hash
-from service.records import OutcomeEvent, PrimaryResult, Record, TrafficEvent
+from service.records import OutcomeEvent, Record, TrafficEvent
 
 
 @dataclass
@@ -116,10 +116,7 @@ def _case(ev: TrafficEvent, patterns: list[re.Pattern], feedback: Feedback | Non
 
     request = clean(ev.request)
     primary = ev.primary
-    live = PrimaryResult(model=primary.model, status=primary.status,
-                         body=clean(primary.body) if primary.body is not None else None,
-                         latency_s=primary.latency_s, ttft_s=primary.ttft_s, usage=primary.usage,
-                         outcome=primary.outcome, cause=primary.cause)
+    live = primary.model_copy(update={"body": clean(primary.body) if primary.body is not None else None})
     if feedback is not None and feedback.reason:  # the client's own words: as open as its request
         feedback = Feedback(success=feedback.success, reason=str(redact(feedback.reason, patterns)))
     return Case(request_id=ev.request_id, ts=ev.ts, route=ev.route, segment=ev.segment,

@@ -25,7 +25,7 @@ from service import metrics
 from service.admin.api import admin_router
 from service.admin.traffic import RecentTraffic
 from service.bus import EventBus, make_bus
-from service.config import Config, ConfigError, ReloadRefused, environment_problems, load_config
+from service.config import Config, ConfigError, ReloadRefused, TracingConfig, environment_problems, load_config
 from service.errors import openai_error
 from service.feedback import unmatched_route
 from service.proxy.chat import BadRequest, Proxy
@@ -40,7 +40,7 @@ from service.records import RolloutState
 from service.rollout.book import RolloutBook
 from service.rollout.controller import Controller
 from service.rollout.follower import follow
-from service.rollout.notify import Notifier
+from service.rollout.notify import Notifier, configured_url
 from service.tracing import Tracing
 from service.upstream import make_provider, make_providers
 
@@ -120,7 +120,7 @@ class Runtime:
         self.book = RolloutBook(config, persist_path=persist, publish=self._publish_rollout)
         self.providers = make_providers(config)
         self.tracing = Tracing(config.tracing)
-        self._retired_tracing: list[Tracing] = []  # replaced by a reload; their spans end and flush at close
+        self._retired_tracing: Tracing | None = None  # the last one a reload replaced, stopping once its spans end
         self.sampler = ShadowSampler(config)
         self.recorder = Recorder(config, self.bus, self.sampler,
                                  lambda route, segment: judging(self.book.states.get(route), segment))
@@ -143,7 +143,7 @@ class Runtime:
         self._owners_task: asyncio.Task | None = None
         # memory mode: the embedded controller's; Kafka mode: for the operator actions this replica takes
         # (the leader, if any, notifies its own decisions)
-        self.notifier = Notifier(config.notify.webhook_url)
+        self.notifier = Notifier(configured_url(config.notify))
         self.controller: Controller | None = None  # memory mode: the embedded one, from `start`
 
     def _publish_rollout(self, state: RolloutState) -> None:
@@ -203,8 +203,9 @@ class Runtime:
         await self.bus.close()
         for provider in self.providers.values():
             await provider.close()
-        for tracing in (*self._retired_tracing, self.tracing):
-            tracing.shutdown()
+        for tracing in (self._retired_tracing, self.tracing):
+            if tracing is not None:
+                tracing.shutdown()
 
     def reload(self) -> list[str]:
         """Apply the config file again, or raise ConfigError and keep the running config: also for what
@@ -220,9 +221,7 @@ class Runtime:
         if problems:
             raise ConfigError(self.config_path, problems)
         if config.tracing != self.config.tracing:
-            self._retired_tracing.append(self.tracing)
-            self.tracing = Tracing(config.tracing)
-            self.proxy.use_tracing(self.tracing)
+            self._reload_tracing(config.tracing)
         for name, cfg in config.providers.items():
             if name not in self.config.providers or cfg != self.config.providers[name]:
                 old = self.providers.get(name)
@@ -230,7 +229,7 @@ class Runtime:
                 if old is not None:  # the calls under way finish on it
                     old.retire()
         self.config = config
-        self.notifier.url = config.notify.webhook_url
+        self.notifier.url = configured_url(config.notify)
         self.sampler.reload(config)
         self.recorder.reload(config)
         self.proxy.reload(config)
@@ -240,6 +239,19 @@ class Runtime:
             self._shadow_reloads.put_nowait(config)
         log.info("config reloaded from %s; new rollouts: %s", self.config_path, restarted or "none")
         return restarted
+
+    def _reload_tracing(self, cfg: TracingConfig) -> None:
+        """The same collector keeps its exporter (only what spans record changes); another gets a new
+        tracer, and the old one stops once the calls holding its spans have ended. At most one waits:
+        one still waiting from an earlier reload (a call that outlived two reloads) stops now."""
+        if cfg.otlp_endpoint == self.config.tracing.otlp_endpoint:
+            self.tracing.capture_content = cfg.capture_content
+            return
+        if self._retired_tracing is not None:
+            self._retired_tracing.retire(wait=False)
+        self._retired_tracing, self.tracing = self.tracing, Tracing(cfg)
+        self._retired_tracing.retire()
+        self.proxy.use_tracing(self.tracing)
 
 
 def start_only_changes(running: Config, new: Config) -> list[str]:

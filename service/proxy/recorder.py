@@ -15,7 +15,7 @@ from service import metrics
 from service.bus.base import EventBus
 from service.config import Config, redaction_patterns
 from service.feedback import SESSION, Served, ServedMemory
-from service.proxy.formats.base import Usage, chat_output_chars, estimated_usage, token_count
+from service.proxy.formats.base import Usage, estimated_usage, token_count
 from service.proxy.outcome import Verdict
 from service.proxy.routing import session_hash
 from service.proxy.sampler import ShadowSampler
@@ -80,13 +80,26 @@ def usage_tokens(call: Call) -> tuple[int, int]:
     response = call.response
     if response is None:
         if call.stream and call.status == 200 and call.verdict is not None and call.verdict.cause == "client_cancelled":
-            return estimated_usage(call.asked or call.request or {}, 0).input, 0
+            return estimated_usage(call.asked or call.request or {}, None).input, 0
         return 0, 0
-    usage = response.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+    if told_usage(response):
+        usage = response["usage"]
         return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
-    estimated = estimated_usage(call.asked or call.request or {}, chat_output_chars(response))
+    estimated = estimated_usage(call.asked or call.request or {}, response)
     return estimated.input, estimated.output
+
+
+def told_usage(response: dict) -> bool:
+    """Whether a chat answer tells its own usage (a stream does only when asked, and not every upstream does)."""
+    usage = response.get("usage")
+    return isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int)
+
+
+def usage_estimated(call: Call) -> bool:
+    """Whether the tokens recorded for an answered call were estimated from the text, not told by the upstream."""
+    if call.usage is not None:
+        return call.usage.estimated
+    return call.response is None or not told_usage(call.response)
 
 
 class Recorder:
@@ -176,11 +189,13 @@ class Recorder:
             upstream_retries=call.upstream_retries, status=call.status or None, response_id=call.response_id,
         )))
         self._served.remember(call.request_id, (route, model, role, call.segment), sid)
-        if call.span is not None:  # its content as chat views, whatever the API
-            call.span.finish(response_model=(call.response or {}).get("model"), input_tokens=input_tokens,
-                             output_tokens=output_tokens, finish_reasons=call.finish_reasons,
+        if call.span is not None:  # its content as chat views, whatever the API: what the model was asked
+            passed = call.segment == PASSTHROUGH_SEGMENT  # its answer is not read: usage unknown
+            call.span.finish(response_model=(call.response or {}).get("model"),
+                             input_tokens=None if passed else input_tokens,
+                             output_tokens=None if passed else output_tokens, finish_reasons=call.finish_reasons,
                              cause=None if verdict.ok else verdict.cause,  # max_tokens: completed, no error
-                             prompt=(call.view or call.request or {}).get("messages"),
+                             prompt=(call.asked or call.view or call.request or {}).get("messages"),
                              completion=(call.chat or call.response or {}).get("choices"))
         if (role == "stable" and verdict.ok and not call.no_shadow and call.request is not None
                 and route in self.config.routes and self._judging(route, call.segment)
@@ -198,7 +213,7 @@ class Recorder:
         primary = PrimaryResult.model_construct(
             model=call.model_key, status=call.status, body=response, latency_s=call.latency_s,
             ttft_s=call.ttft_s, usage={"prompt_tokens": input_tokens, "completion_tokens": output_tokens},
-            outcome="completed", cause=None,
+            usage_estimated=usage_estimated(call), outcome="completed", cause=None,
         )
         return TrafficEvent.model_construct(
             request_id=call.request_id, ts=time.time(), route=call.route, segment=call.segment, request=request,

@@ -35,7 +35,7 @@ from service.judge.segments import candidates_of, decide_segments, rollout_start
 from service.records import EvaluationRecord, LastDecision, OutcomeEvent, Record, RolloutReport, RolloutState
 from service.rollout.book import MAX_WINDOWS, TERMINAL, RolloutBook
 from service.rollout.feedback import REQUESTS_REMEMBERED, FeedbackResolver
-from service.rollout.notify import Notifier
+from service.rollout.notify import Notifier, configured_url
 
 log = logging.getLogger("modelcanary.controller")
 
@@ -53,11 +53,11 @@ class Controller:
     def __init__(self, config: Config, bus: EventBus, book: RolloutBook, notifier: Notifier | None = None, *,
                  report_interval_s: float | None = None, clock: Callable[[], float] = time.time):
         """`notifier`: whose webhook the changes go to (the proxy's in memory mode, which a reload
-        updates); else one of `config.notify.webhook_url`."""
+        updates); else one of `config.notify`'s URL."""
         self._config = config
         self.bus = bus
         self.book = book
-        self.notifier = notifier if notifier is not None else Notifier(config.notify.webhook_url)
+        self.notifier = notifier if notifier is not None else Notifier(configured_url(config.notify))
         # the interval bounds the reports topic in Kafka mode; in memory mode no topic grows
         default_interval = config.control.report_interval_s if config.events.backend == "kafka" else MAX_INTERVAL_S
         self.report_interval_s = report_interval_s or default_interval

@@ -29,7 +29,7 @@ import time
 from aiohttp import web
 
 from service import metrics
-from service.bus.kafka import KafkaBus, KafkaLeadership
+from service.bus.kafka import KafkaBus, KafkaLeadership, KafkaSubscription
 from service.config import Config
 from service.records import RolloutState
 from service.rollout.book import RolloutBook
@@ -41,6 +41,10 @@ log = logging.getLogger("modelcanary.controller")
 REPLAY_SKEW_S = 60.0   # read back from this long before a rollout began (clocks of other hosts)
 WATCH_S = 0.2          # how often the leader checks it still holds its lease
 RETRY_S = 1.0          # after a failed claim
+# The leader's intake: with no partition of its group's for this long, it reads every partition itself.
+# A join takes ~3 s and waits at most the rebalance timeout (10 s) for a member that died mid-join; 20 s
+# is past both, and short against a rollout step (judging on nothing for longer hides a bad candidate).
+SOLE_MEMBER_AFTER_S = 20.0
 
 
 def instance_name() -> str:
@@ -58,6 +62,7 @@ class Status:
         self.stopping = False
         self.epoch: int | None = None
         self.controller: Controller | None = None
+        self.intake: KafkaSubscription | None = None  # the leader's outcomes and evaluations
 
     @property
     def role(self) -> str:
@@ -70,7 +75,19 @@ class Status:
     def body(self) -> dict:
         c = self.controller
         return {"status": self.role, "leader": c is not None, "epoch": self.epoch,
-                "caught_up": self.leadership is not None, "last_tick": c.last_tick if c else None}
+                "caught_up": self.leadership is not None, "last_tick": c.last_tick if c else None,
+                "intake": intake(self.intake) if c else None}
+
+
+def intake(sub: KafkaSubscription | None) -> dict | None:
+    """How the leader takes in records: `group` (assigned by its consumer group) or `manual` (every
+    partition itself, the group having given it none for SOLE_MEMBER_AFTER_S), the partitions held,
+    and for how long it has held none."""
+    if sub is None:
+        return None
+    since = sub.unassigned_since
+    return {"mode": "manual" if sub.manual else "group", "partitions": sub.partitions,
+            "unassigned_s": None if since is None else round(time.monotonic() - since, 1)}
 
 
 async def serve_health(config: Config, status: Status) -> web.AppRunner:
@@ -164,7 +181,9 @@ async def lead(config: Config, bus: KafkaBus, book: RolloutBook, leadership: Kaf
         term.on_change(state, None)
     watcher = asyncio.create_task(watch(), name="leader-lease")
     controller = status.controller = Controller(config, bus, book)
-    sub = controller.subscribe()  # joining the group goes on while the evidence is read back
+    # joining the group goes on while the evidence is read back
+    sub = status.intake = KafkaSubscription(bus, ["outcomes", "evaluations"], GROUP,
+                                            sole_member_after_s=SOLE_MEMBER_AFTER_S)
     log.info("leading (epoch %d): rebuilding the evidence", epoch)
     try:
         await resume_evidence(controller, bus, term.over)
@@ -172,7 +191,7 @@ async def lead(config: Config, bus: KafkaBus, book: RolloutBook, leadership: Kaf
     finally:
         book.off_change(term.on_change)
         book.epoch = None
-        status.controller = None
+        status.controller = status.intake = None
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
     if not stop.is_set() and term.deposed_by is None:

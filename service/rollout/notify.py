@@ -9,6 +9,7 @@ import urllib.parse
 
 import aiohttp
 
+from service.config import NotifyConfig
 from service.records import Phase, RolloutState, SegmentState, dump
 
 log = logging.getLogger("modelcanary.rollout")
@@ -38,6 +39,17 @@ def safe_url(url: object) -> str:
     except Exception:  # urlsplit itself refuses some (e.g. an unclosed '[')
         return "?://?/…"
     return f"{scheme if _SCHEME.fullmatch(scheme) else '?'}://{host if _HOST.fullmatch(host) else '?'}{port}/…"
+
+
+def configured_url(notify: NotifyConfig) -> str | None:
+    """The URL the webhook POSTs to. A `webhook_url_env` whose variable is unset or holds no usable URL
+    turns notifications off with a warning naming the variable (never its value), as an unset
+    `api_key_env` or admin token variable leaves the process running."""
+    try:
+        return notify.resolved_url()
+    except ValueError as e:
+        log.warning("webhook notifications are off: %s", e)
+        return None
 
 
 def webhook_payload(new: RolloutState, old: RolloutState, segment: str | None = None) -> dict:
@@ -79,8 +91,8 @@ def _phase_step(seg: SegmentState | None) -> tuple[Phase, int]:
 
 
 class Notifier:
-    """POSTs `notify.webhook_url` a payload for each phase or step change it is told of; never raises
-    (a notification must not affect a decision)."""
+    """POSTs the webhook's URL (`configured_url`) a payload for each phase or step change it is told of;
+    never raises (a notification must not affect a decision)."""
 
     def __init__(self, url: str | None):
         self.url = url

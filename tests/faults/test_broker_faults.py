@@ -246,3 +246,108 @@ def test_broker_blackholed_then_back_with_its_topics(servers, tmp_path):
     finally:
         broker.stop()
         fault.stop()
+
+
+def _stuck_group(bootstrap: str, group: str, topic: str, timeout_s: float = 60) -> None:
+    """Leave `group` rebalancing for good, as Tansu 0.6 does when a member leaves in the middle of a
+    join (tests/test_kafka_ha.py): a first member joins, a second asks to join, the first leaves."""
+    from kafka import KafkaAdminClient, KafkaConsumer
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    try:  # the proxies re-create the topics on the empty broker
+        deadline = time.monotonic() + timeout_s
+        while topic not in admin.list_topics():
+            assert time.monotonic() < deadline, f"{topic} not re-created in {timeout_s} s"
+            time.sleep(0.2)
+    finally:
+        admin.close()
+
+    def member(name: str) -> KafkaConsumer:
+        consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, client_id=name, enable_auto_commit=False,
+                                 session_timeout_ms=6000, heartbeat_interval_ms=1000, max_poll_interval_ms=10000)
+        consumer.subscribe([topic])
+        return consumer
+
+    first = member("stuck-first")
+    deadline = time.monotonic() + timeout_s
+    while not first.assignment():
+        assert time.monotonic() < deadline, "the first member got no partition"
+        first.poll(timeout_ms=200)
+    second = member("stuck-second")
+    joining = threading.Thread(target=lambda: [second.poll(timeout_ms=100) for _ in range(15)])
+    joining.start()
+    time.sleep(0.5)  # the second member's join is under way
+    first.close(autocommit=False)
+    joining.join()
+    second.close(autocommit=False)
+
+
+def _judged_candidate_n(proxy_url: str, since: float) -> int:
+    """Live candidate outcomes the leader's latest report counts, 0 for a report from before `since`."""
+    from tests.test_kafka_ha import _report
+
+    report = _report(proxy_url)
+    if report.get("generated_at", 0) < since:
+        return 0
+    arms = report.get("live", {}).get("segments", {}).get("overall", {})
+    return int(arms.get("candidate", {}).get("completion_rate", {}).get("n", 0))
+
+
+@pytest.mark.timeout(240)
+def test_the_leader_judges_again_when_its_group_is_stuck_after_the_broker_came_back_empty(
+        fresh_kafka_broker, servers, tmp_path):
+    """Mid-rollout the broker comes back empty and the controllers' consumer group is stuck rebalancing
+    on it (planted while both controllers are frozen, so the stall is certain). The leader must not
+    judge on nothing for good: its judged sample counts go back up, and /readyz shows how it reads."""
+    import signal
+
+    from service.rollout.controller import GROUP
+    from tests.test_kafka_ha import Controller, _one_leads
+    from tests.test_rollout_kafka import ENV, _config, _state, _wait
+    from tests.test_rollout_kafka import Traffic as Calls
+
+    broker = fresh_kafka_broker
+    sim = servers.simulator(sim_cfg())
+    prefix = "stuck" + uuid.uuid4().hex[:8]
+    cfg = _config(sim.url, broker.bootstrap, prefix, {"steps": [50], "min_samples_per_step": 1_000_000})
+    cfg["control"] = {"interval_s": 0.5, "report_interval_s": 1.0}
+    proxies = [servers.proxy(cfg, name=f"proxy-{n}", env=ENV) for n in "ab"]
+    controllers = [Controller(servers, tmp_path, cfg, f"control-{n}") for n in "ab"]
+    assert _wait(lambda: _one_leads(controllers), 40), [c.ready() for c in controllers]
+    with Calls([p.url for p in proxies], threads_per_proxy=1) as calls:
+        assert _wait(lambda: _judged_candidate_n(proxies[0].url, 0) > 0, 60), _state(proxies[0].url)
+        for c in controllers:
+            c.proc.signal(signal.SIGSTOP)
+        try:
+            broker.stop()
+            broker.start()  # memory storage: empty
+            restarted = time.time()
+            _stuck_group(broker.bootstrap, GROUP, f"{prefix}.outcomes")
+        finally:
+            for c in controllers:
+                c.proc.signal(signal.SIGCONT)
+        # while the group gives the leader nothing, its lag says how far behind it is (not 0)
+        assert _wait(lambda: any(_unassigned_lag(c) > 0 for c in controllers), 60), [c.ready() for c in controllers]
+        judged = _wait(lambda: _judged_candidate_n(proxies[0].url, restarted) >= 20, 90, 0.5)
+        leader = next((c for c in controllers if c.leading()), None)
+    assert not calls.errors, calls.errors[:3]
+    assert judged, (_report_text(proxies[0].url), [c.ready() for c in controllers])
+    assert leader is not None and leader.ready()["intake"]["partitions"] > 0, leader and leader.ready()
+    assert leader.ready()["intake"]["mode"] == "manual"
+    assert "no partition assigned" in leader.proc.output()
+
+
+def _unassigned_lag(controller) -> float:
+    """The controller group's outcomes lag on a leader that has held no partition for a while, else 0."""
+    intake = controller.ready().get("intake") or {}
+    if (intake.get("unassigned_s") or 0) < 6:  # past a lag export (every 5 s) since
+        return 0
+    return metric_value(scrape(controller.url), "modelcanary_consumer_lag", group="modelcanary-controller",
+                        topic="outcomes")
+
+
+def _report_text(proxy_url: str) -> str:
+    from tests.test_kafka_ha import _report
+
+    report = _report(proxy_url)
+    return f"generated_at={report.get('generated_at')} live={report.get('live')} judge={report.get('judge', {}).get('reasons')}"

@@ -153,11 +153,22 @@ never secret values.
 {{- $_ := set $events "spool" $spool -}}
 {{- $_ := set $cfg "events" $events -}}
 {{- $_ := set $cfg "state_dir" "/var/lib/modelcanary/state" -}}
+{{- $notify := default dict $cfg.notify -}}
+{{- if $notify.webhook_url -}}
+{{- fail "config.notify.webhook_url would put a secret in the ConfigMap: give it from a Secret with notify.existingSecret (and notify.urlKey)" -}}
+{{- end -}}
+{{- if .Values.notify.existingSecret -}}
+{{- $_ := unset $notify "webhook_url" -}}
+{{- $_ := set $notify "webhook_url_env" "MODELCANARY_WEBHOOK_URL" -}}
+{{- $_ := set $cfg "notify" $notify -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
-{{/* Environment shared by every container. */}}
+{{/* Environment of one component's container. Call with (list $ "proxy"). */}}
 {{- define "modelcanary.env" -}}
+{{- $component := index . 1 -}}
+{{- with index . 0 -}}
 {{- if .Values.kafka.sasl.enabled }}
 - name: MODELCANARY_KAFKA_SASL_USERNAME
   valueFrom:
@@ -170,9 +181,18 @@ never secret values.
       name: {{ .Values.kafka.sasl.existingSecret | quote }}
       key: {{ .Values.kafka.sasl.passwordKey | quote }}
 {{- end }}
+{{- /* the proxies notify operator actions, the leading controller its own decisions */ -}}
+{{- if and .Values.notify.existingSecret (has $component (list "proxy" "controller")) }}
+- name: MODELCANARY_WEBHOOK_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.notify.existingSecret | quote }}
+      key: {{ .Values.notify.urlKey | quote }}
+{{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
 {{- end -}}
 
 {{- define "modelcanary.envFrom" -}}
@@ -185,10 +205,10 @@ never secret values.
 {{- end }}
 {{- end -}}
 
-{{/* The container's env and envFrom blocks, both omitted when empty. */}}
+{{/* The container's env and envFrom blocks, both omitted when empty. Call with (list $ "proxy"). */}}
 {{- define "modelcanary.containerEnv" -}}
 {{- $env := include "modelcanary.env" . | trim -}}
-{{- $envFrom := include "modelcanary.envFrom" . | trim -}}
+{{- $envFrom := include "modelcanary.envFrom" (index . 0) | trim -}}
 {{- if $env -}}
 env:
 {{ $env }}

@@ -62,6 +62,14 @@ class KafkaSubscription:
     commits; from the beginning, or, with `latest_of` (keys), first each of those keys' latest record
     (read back from the end, see `_latest`) and then every new record; `caught_up` is set once those
     are buffered; with `tail` (a number of records), from about that many before each partition's end.
+
+    `sole_member_after_s` (a group with one member by design, the leading controller's): once the group
+    has given this member no partition for that long, the group's assignment is given up for good and
+    this member reads every partition itself (`consumer.assign`), each from the group's committed
+    offset, and commits as before. A broker can keep a group rebalancing for good (Tansu 0.6 does when
+    a member leaves in the middle of a join); a member that waited on it would take in nothing while
+    its caller goes on as if the topics were quiet. Its lag then counts every partition, against the
+    group's committed offsets, so a member without partitions never reads 0 behind.
     """
 
     max_poll_records = 50
@@ -74,13 +82,18 @@ class KafkaSubscription:
     assignors: tuple[type, ...] | None = None  # kafka-python's default (eager range, round robin)
 
     def __init__(self, bus: KafkaBus, topics: list[Topic], group: str | None,
-                 latest_of: Collection[str] | None = None, tail: int | None = None):
+                 latest_of: Collection[str] | None = None, tail: int | None = None,
+                 sole_member_after_s: float | None = None):
         self._bus = bus
         self.topics = topics
         self.group = group
         self.latest_of = frozenset(latest_of) if latest_of is not None else None
         self.tail = tail
         self.caught_up = threading.Event()
+        self.sole_member_after_s = sole_member_after_s if group is not None else None
+        self.manual = False  # a sole member reading every partition itself (see above)
+        self.partitions = 0  # held after the last poll
+        self.unassigned_since: float | None = None  # monotonic; None while partitions are held
         self._names = {bus.names[t]: t for t in topics}
         self._label = group or "none"
         self._max_buffer = self.max_poll_records * 4
@@ -195,7 +208,10 @@ class KafkaSubscription:
                 continue
             try:
                 self._replacement_check(consumer)
-                if self.group is not None and finish_join(consumer, self.join_wait_ms):
+                self._maybe_export_lag(consumer)  # also while a join never ends
+                if self._watch_assignment(consumer):
+                    continue  # the next turn builds a consumer that assigns itself every partition
+                if self._joins and finish_join(consumer, self.join_wait_ms):
                     continue  # commands and stop are checked between two waits
                 self._backpressure(consumer)
                 raw = consumer.poll(timeout_ms=self.poll_timeout_ms, max_records=self.max_poll_records)
@@ -206,17 +222,40 @@ class KafkaSubscription:
                 continue
             if raw:
                 self._buffer_records(raw)
-            if self.group is not None and finish_stalled_join(consumer):
+            if self._joins and finish_stalled_join(consumer):
                 log.info("consumer group %s: a join kafka-python left unfinished is started again", self.group)
             self._after_poll(consumer)
-            self._maybe_export_lag(consumer)
         self._run_commands()
         self._drop_consumer()
         for topic in self.topics:
             _set_lag(topic, self._label, id(self), None)
 
+    @property
+    def _joins(self) -> bool:
+        """Partitions come from the group's assignment (not `consumer.assign`)."""
+        return self.group is not None and not self.manual
+
     def _after_poll(self, consumer: KafkaConsumer) -> None:
         """Called on the consumer thread after every poll (a subclass watches its group here)."""
+
+    def _watch_assignment(self, consumer: KafkaConsumer) -> bool:
+        """Note since when no partition is held; past `sole_member_after_s`, give the group's assignment
+        up (the consumer is dropped: True)."""
+        self.partitions = len(consumer.assignment())
+        now = time.monotonic()
+        if self.partitions:
+            self.unassigned_since = None
+            return False
+        if self.unassigned_since is None:
+            self.unassigned_since = now
+        if not self._joins or self.sole_member_after_s is None or now - self.unassigned_since < self.sole_member_after_s:
+            return False
+        log.warning("consumer group %s: no partition assigned for %.0f s (the broker may keep the group rebalancing "
+                    "for good); as its only member, reading every partition itself from the group's committed "
+                    "offsets", self.group, now - self.unassigned_since)
+        self.manual = True
+        self._drop_consumer()
+        return True
 
     def _run_commands(self) -> None:
         while True:
@@ -299,10 +338,7 @@ class KafkaSubscription:
                 if self.assignors is not None:
                     config["partition_assignment_strategy"] = list(self.assignors)
             consumer = build_client(KafkaConsumer, **config)
-            if self.group is not None:
-                consumer.subscribe(list(self._names), listener=_Revoked(self))
-            else:
-                self._assign_all(consumer)
+            self._take_partitions(consumer)
         except Exception as e:
             log.warning("kafka consumer (%s) not ready: %s", self._label, describe(e))
             if consumer is not None:
@@ -314,6 +350,15 @@ class KafkaSubscription:
             return None
         self._consumer = consumer
         return consumer
+
+    def _take_partitions(self, consumer: KafkaConsumer) -> None:
+        if self._joins:
+            consumer.subscribe(list(self._names), listener=_Revoked(self))
+        elif self.manual:
+            consumer.assign(self._every_partition(consumer))  # each from the group's committed offset
+            self.topic_ids = {name: topic_id(consumer, name) for name in self._names}
+        else:
+            self._assign_all(consumer)
 
     def _drop_consumer(self) -> None:
         consumer, self._consumer = self._consumer, None
@@ -330,11 +375,11 @@ class KafkaSubscription:
         with self._lock:
             self._buffer = deque(x for x in self._buffer if x[0] not in revoked)
 
+    def _every_partition(self, consumer: KafkaConsumer) -> list[TopicPartition]:
+        return [TopicPartition(name, p) for name in self._names for p in sorted(consumer.partitions_for_topic(name) or ())]
+
     def _assign_all(self, consumer: KafkaConsumer) -> None:
-        tps = []
-        for name in self._names:
-            parts = consumer.partitions_for_topic(name) or set()
-            tps += [TopicPartition(name, p) for p in sorted(parts)]
+        tps = self._every_partition(consumer)
         with self._lock:
             self._buffer.clear()
         consumer.assign(tps)
@@ -382,12 +427,7 @@ class KafkaSubscription:
                 self._orphans.extend(x for x in self._buffer if x[0] in stale)
                 self._buffer = deque(x for x in self._buffer if x[0] not in stale)
         if self.group is None:
-            shape = {tp.topic for tp in assigned} != set(self._names) or any(
-                (parts := consumer.partitions_for_topic(name)) is not None
-                and len(parts) != sum(1 for tp in assigned if tp.topic == name)
-                for name in self._names
-            )
-            if replaced or shape:
+            if replaced or self._shape_changed(consumer, assigned):
                 log.info("follower: %s changed; reading from the beginning", ", ".join(sorted(self._names)))
                 self._assign_all(consumer)
             return
@@ -395,6 +435,17 @@ class KafkaSubscription:
             log.info("consumer group %s: %s was replaced; reading it from the beginning",
                      self.group, ", ".join(sorted(replaced)))
             consumer.seek_to_beginning(*stale)
+        if self.manual and self._shape_changed(consumer, assigned):
+            log.info("consumer group %s: %s changed; reading every partition", self.group, ", ".join(sorted(self._names)))
+            consumer.assign(self._every_partition(consumer))  # those held keep their positions
+
+    def _shape_changed(self, consumer: KafkaConsumer, assigned: set[TopicPartition]) -> bool:
+        """Not every partition of every topic is assigned (a topic appeared, or came back with more)."""
+        return {tp.topic for tp in assigned} != set(self._names) or any(
+            (parts := consumer.partitions_for_topic(name)) is not None
+            and len(parts) != sum(1 for tp in assigned if tp.topic == name)
+            for name in self._names
+        )
 
     def _maybe_export_lag(self, consumer: KafkaConsumer) -> None:
         now = time.monotonic()
@@ -402,20 +453,31 @@ class KafkaSubscription:
             return
         self._next_lag = now + self._bus.lag_interval_s
         try:
-            assigned = list(consumer.assignment())
-            timeout_ms = int(self._bus._request_timeout_s * 1000)
-            ends = consumer.end_offsets(assigned, timeout_ms=timeout_ms) if assigned else {}
-            lag: dict[str, int] = {t: 0 for t in self.topics}
-            with self._lock:
-                buffered = Counter(tp for tp, _, _ in self._buffer)
-            for tp, end in ends.items():
-                # records buffered here but not yet returned are still behind, for the caller
-                lag[self._names[tp.topic]] += max(0, end - consumer.position(tp, timeout_ms=1000) + buffered[tp])
+            lag = self._lag(consumer, int(self._bus._request_timeout_s * 1000))
         except Exception as e:
             log.debug("consumer lag unavailable: %s", e)
             return
         for topic, n in lag.items():
             _set_lag(topic, self._label, id(self), n)
+
+    def _lag(self, consumer: KafkaConsumer, timeout_ms: int) -> dict[str, int]:
+        """Records behind each topic's end: from the position in each partition held; a sole member
+        holding none counts every partition from the group's committed offset (else its beginning)."""
+        assigned = consumer.assignment()
+        held = assigned or self.sole_member_after_s is None
+        tps = list(assigned) if held else self._every_partition(consumer)
+        ends = consumer.end_offsets(tps, timeout_ms=timeout_ms) if tps else {}
+        starts = {} if held or not tps else consumer.beginning_offsets(tps, timeout_ms=timeout_ms)
+        lag: dict[str, int] = {t: 0 for t in self.topics}
+        with self._lock:
+            buffered = Counter(tp for tp, _, _ in self._buffer)
+        for tp, end in ends.items():
+            if held:  # records buffered here but not yet returned are still behind, for the caller
+                lag[self._names[tp.topic]] += max(0, end - consumer.position(tp, timeout_ms=1000) + buffered[tp])
+            else:
+                committed = consumer.committed(tp, timeout_ms=timeout_ms)
+                lag[self._names[tp.topic]] += max(0, end - (starts[tp] if committed is None else committed))
+        return lag
 
     def _commit(self, offsets: dict[TopicPartition, tuple[int, object]]) -> None:
         consumer = self._consumer

@@ -29,6 +29,7 @@ class Usage:
     output: int
     cache_read: int = 0
     cache_write: int = 0
+    estimated: bool = False  # counted from the text by `estimated_usage`: the upstream told none
 
     @property
     def total_input(self) -> int:
@@ -114,24 +115,59 @@ def json_response_format(kind: object, schema: object) -> dict | None:
     return None
 
 
-def estimated_usage(view: dict, output_chars: int) -> Usage:
+# A chat template's tokens around each message (its role, separators) and before the answer.
+MESSAGE_OVERHEAD_TOKENS = 4
+PROMPT_OVERHEAD_TOKENS = 3
+
+
+def estimated_usage(view: dict, chat: dict | None) -> Usage:
+    """The usage of an answer (`chat`: its chat view; None: no output came) whose upstream told none,
+    from the text at ~4 characters a token: the messages with the chat template's tokens around them
+    and the tools' JSON; each choice's output at most the request's cap, and that cap when the cap cut it."""
+    return Usage(estimated_input(view), estimated_output(view, chat), estimated=True)
+
+
+def estimated_input(view: dict) -> int:
     messages = view.get("messages")
-    return Usage(estimate_tokens(message_chars(messages)) if isinstance(messages, list) else 0,
-                 estimate_tokens(output_chars))
+    if not isinstance(messages, list):
+        return 0
+    calls = [m["tool_calls"] for m in messages if isinstance(m, dict) and m.get("tool_calls")]
+    tools = view.get("tools")
+    chars = message_chars(messages) + (len(json.dumps(calls)) if calls else 0) + \
+        (len(json.dumps(tools)) if isinstance(tools, list) and tools else 0)
+    return estimate_tokens(chars) + MESSAGE_OVERHEAD_TOKENS * len(messages) + PROMPT_OVERHEAD_TOKENS
+
+
+def estimated_output(view: dict, chat: dict | None) -> int:
+    choices = chat.get("choices") if isinstance(chat, dict) else None
+    cap = output_cap(view)
+    total = 0
+    for choice in choices if isinstance(choices, list) else ():
+        tokens = estimate_tokens(choice_chars(choice))
+        if cap is not None:
+            tokens = cap if isinstance(choice, dict) and choice.get("finish_reason") == "length" else min(tokens, cap)
+        total += tokens
+    return total
+
+
+def output_cap(view: dict) -> int | None:
+    """The request's cap on each choice's output tokens, if it set one."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        cap = token_count(view.get(name))
+        if cap:
+            return cap
+    return None
 
 
 def untold_usage(view: dict, response: dict | None, chat: dict | None) -> Usage:
     """The usage of an answer that did not tell its own (`chat`: its chat view), estimated from the
     text; none without an answer (an upstream that refused or never answered bills none we know of)."""
-    return Usage(0, 0) if response is None else estimated_usage(view, chat_output_chars(chat))
+    return Usage(0, 0) if response is None else estimated_usage(view, chat)
 
 
-def chat_output_chars(chat: dict | None) -> int:
-    """Characters of text, refusal and tool arguments in a chat view's first choice."""
-    try:
-        message = chat["choices"][0]["message"]  # type: ignore[index]
-    except (KeyError, IndexError, TypeError):
-        return 0
+def choice_chars(choice: object) -> int:
+    """Characters of text, refusal and tool arguments in one choice of a chat view."""
+    message = choice.get("message") if isinstance(choice, dict) else None
     if not isinstance(message, dict):
         return 0
     chars = len(content_text(message.get("content")))

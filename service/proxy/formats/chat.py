@@ -7,7 +7,7 @@ from starlette.responses import Response
 
 from service.config import Checks, ModelConfig
 from service.errors import error_body, openai_error
-from service.proxy.formats.base import Reassembled, Usage, chat_output_chars, estimated_usage, token_count
+from service.proxy.formats.base import Reassembled, Usage, estimated_usage, token_count
 from service.proxy.outcome import Verdict, classify_chat
 from service.proxy.sse import chat_has_output, reassemble
 from service.upstream.errors import error_cause
@@ -48,7 +48,7 @@ class ChatFormat:
             return Usage(token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens")))
         if response is None:
             return Usage(0, 0)
-        return estimated_usage(view, chat_output_chars(response))
+        return estimated_usage(view, response)
 
     def reassemble(self, raw: bytes) -> Reassembled:
         return reassemble(raw)
