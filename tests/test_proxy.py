@@ -522,10 +522,11 @@ def test_client_retry_detection(stack):
     assert metric_value(text, "modelcanary_client_retries_total", route="support-bot") == 2
 
 
-def test_a_client_retry_goes_to_the_arm_whose_answer_it_retries(servers):
-    """Without a session, a client's retry is placed in the split like the request it repeats: it is
-    answered, and counted as a retry, by the arm the client did not accept (at a 1% step, a canary's
-    retries landing on stable would hide the canary's retry rate)."""
+def test_without_a_session_a_conversation_and_its_retries_stay_on_one_arm(servers):
+    """Without a session, a request is placed in the split by its conversation's start: a client's
+    retry is answered, and counted as a retry, by the arm the client did not accept (at a 1% step, a
+    canary's retries landing on stable would hide the canary's retry rate), and an agent's run does
+    not change models from turn to turn."""
     sim = servers.simulator()
     cfg = proxy_config(sim.url, rollout={"steps": [50], "mode": "advisory", "min_step_seconds": 3600,
                                          "max_step_seconds": 7200, "min_shadow_samples": 10**9,
@@ -554,6 +555,25 @@ def test_a_client_retry_goes_to_the_arm_whose_answer_it_retries(servers):
     for role in ("stable", "canary"):
         assert metric_value(text, "modelcanary_client_retries_total", route="support-bot", role=role) == \
             firsts.count(role), role
+
+    async def conversation(i: int) -> set[str]:  # an agent's run: each turn repeats the ones before
+        messages: list[dict] = [{"role": "system", "content": "You are the order desk."},
+                                {"role": "user", "content": f"Where is order {i}?"}]
+        roles = set()
+        async with aiohttp.ClientSession() as s:
+            for turn in range(3):
+                async with s.post(proxy.url + "/v1/chat/completions",
+                                  json={"model": "support-bot", "messages": messages}) as r:
+                    answer = await r.json()
+                    roles.add(r.headers["x-modelcanary-role"])
+                messages = [*messages, answer["choices"][0]["message"], {"role": "user", "content": f"and {turn}?"}]
+        return roles
+
+    async def conversations() -> list[set[str]]:
+        return list(await asyncio.gather(*(conversation(i) for i in range(30))))
+    runs = asyncio.run(conversations())
+    assert all(len(roles) == 1 for roles in runs), runs  # every turn of a run on one arm
+    assert {next(iter(roles)) for roles in runs} == {"stable", "canary"}
 
 
 def test_upstream_key_from_env_and_client_key_passthrough(servers):

@@ -22,8 +22,8 @@ from service.proxy.native import OnLeave, on_leave_in_scope
 from service.proxy.outcome import COMPLETED, Verdict, classify_chat, failed, upstream_refused
 from service.proxy.owners import Owner
 from service.proxy.recorder import Call, Recorder
-from service.proxy.retries import RetryDetector, fingerprint, split_unit
-from service.proxy.routing import pick
+from service.proxy.retries import RetryDetector, fingerprint
+from service.proxy.routing import conversation_unit, pick
 from service.proxy.sampler import opted_out
 from service.proxy.segments import classify_segment
 from service.proxy.sse import chat_has_output, reassemble
@@ -191,11 +191,12 @@ class Proxy:
         except BadRequest as e:
             return e.response()
         session_key = headers.get("x-session-id") or (body.get("user") if isinstance(body.get("user"), str) else None)
-        seen = fingerprint(f"{headers.get('authorization', '')}|{session_key or ''}", raw)
+        client = f"{headers.get('authorization', '')}|{session_key or ''}"
         if route is not None:
             rc = self.config.routes[route]
             segment = classify_segment(body, headers.get("x-task-type"), rc.task_types)
-            model_key, role = pick(route, self.book.routing[route], session_key, segment, split_unit(seen))
+            unit = 0.0 if session_key else conversation_unit(client, body["messages"])
+            model_key, role = pick(route, self.book.routing[route], session_key, segment, unit)
         else:
             route, model_key, role = name, name, "stable"
             segment = classify_segment(body)
@@ -203,7 +204,7 @@ class Proxy:
                     started=started, request=body, session_key=session_key, stream=bool(stream),
                     no_shadow=opted_out(headers.get("x-modelcanary-no-shadow")),
                     traceparent=headers.get("traceparent"))
-        call.client_retry = self.retries.is_retry(headers.get("x-stainless-retry-count"), seen)
+        call.client_retry = self.retries.is_retry(headers.get("x-stainless-retry-count"), fingerprint(client, raw))
         model = self.config.models[model_key]
         provider = self.providers[model.provider]
         call.asked = asked = model_body(body, model)

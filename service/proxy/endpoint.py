@@ -31,8 +31,8 @@ from service.proxy.native import on_leave_in_scope
 from service.proxy.outcome import COMPLETED, Verdict, failed, upstream_refused
 from service.proxy.owners import Owner, ResponseOwners
 from service.proxy.recorder import Call
-from service.proxy.retries import fingerprint, split_unit
-from service.proxy.routing import pick
+from service.proxy.retries import fingerprint
+from service.proxy.routing import conversation_unit, pick
 from service.proxy.sampler import opted_out
 from service.proxy.segments import classify_segment
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
@@ -74,8 +74,9 @@ class FormatEndpoint:
             segment = classify_segment(view, headers.get("x-task-type"),
                                        proxy.config.routes[route].task_types if route is not None else ())
             proxy.refuse_other_api(name, fmt.provider_api)
-            seen = fingerprint(f"{client_authorization(headers) or ''}|{session_key or ''}", raw)
-            model_key, role = await self._pick(name, route, body, session_key, stateful, segment, split_unit(seen))
+            client = f"{client_authorization(headers) or ''}|{session_key or ''}"
+            unit = 0.0 if session_key else conversation_unit(client, view["messages"])
+            model_key, role = await self._pick(name, route, body, session_key, stateful, segment, unit)
         except BadRequest as e:
             return e.response(fmt.error_response)
         except ClientDisconnect:
@@ -87,7 +88,7 @@ class FormatEndpoint:
                     no_shadow=opted_out(headers.get("x-modelcanary-no-shadow")),
                     traceparent=headers.get("traceparent"), stateful=stateful is not None, view=view,
                     headers={k: headers[k] for k in FORWARDED_REQUEST_HEADERS if k in headers} or None)
-        call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"), seen)
+        call.client_retry = proxy.retries.is_retry(headers.get("x-stainless-retry-count"), fingerprint(client, raw))
         model = proxy.config.models[model_key]
         provider = proxy.providers[model.provider]
         asked = fmt.model_body(body, model)

@@ -1,8 +1,6 @@
 """Recognise a client's retry: the SDK's retry counter, or the same request seen again lately.
 
-A request is known by its fingerprint: the client's credential and session with the body's bytes.
-Without a session, the fingerprint also places the request in the split (`split_unit`), so that a
-client's retry goes to the arm whose answer it retries and is counted against that arm."""
+A request is known by its fingerprint: the client's credential and session with the body's bytes."""
 
 from __future__ import annotations
 
@@ -12,17 +10,10 @@ from service.recent import Recent
 
 WINDOW_S = 300.0
 MAX_ENTRIES = 100_000
-_UNIT = 2.0**-64
-_MASK = (1 << 64) - 1
 
 
 def fingerprint(client: str, body: bytes) -> int:
     return hash((client, body))
-
-
-def split_unit(fingerprint: int) -> float:
-    """A number in [0, 1) from the fingerprint: the same for the same request in this process."""
-    return (fingerprint & _MASK) * _UNIT
 
 
 class RetryDetector:

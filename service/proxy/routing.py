@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 from service.records import Role, RolloutState
 from service.rollout.book import TERMINAL, Split
 
 _SCALE = float(1 << 64)
+_UNIT = 2.0**-64
+_MASK = (1 << 64) - 1
 
 
 def unit_hash(*parts: str) -> float:
@@ -16,9 +19,24 @@ def unit_hash(*parts: str) -> float:
     return int.from_bytes(digest, "big") / _SCALE
 
 
+def conversation_unit(client: str, messages: object) -> float:
+    """A request without a session's place in the split, in [0, 1): from its client and its
+    conversation's start (the messages up to its first user message), the same on every turn of the
+    conversation (an agent's run) and for a retry; in this process (Python's hash)."""
+    start: list[tuple[object, str]] = []
+    for m in messages if isinstance(messages, list) else ():
+        if not isinstance(m, dict):
+            break
+        content = m.get("content")
+        start.append((m.get("role"), content if isinstance(content, str) else json.dumps(content, default=str)))
+        if m.get("role") == "user":
+            break
+    return (hash((client, tuple(start))) & _MASK) * _UNIT
+
+
 def pick(route: str, split: Split, session_key: str | None, segment: str | None, unit: float) -> tuple[str, Role]:
     """(model key, role). A session never flips mid-way unless the weight changes; a request without
-    one is placed by `unit`, uniform in [0, 1). With rollout.scope segment the request's segment has
+    one is placed by `unit`, uniform in [0, 1) (`conversation_unit`). With rollout.scope segment the request's segment has
     its own split (none yet: the stable model)."""
     if split.segments is not None and segment is not None:
         split = split.segments.get(segment, split)
