@@ -28,7 +28,7 @@ from tests.fixtures.servers import (
 TOKEN = "formats-admin-token"
 ENV = {"MODELCANARY_ADMIN_TOKEN": TOKEN, "OPENAI_AGENTS_DISABLE_TRACING": "1"}
 ROUTES_OPENAI = ("resp-plain", "resp-stream", "resp-tools", "resp-split", "resp-stateful", "resp-container", "agents",
-                 "langchain")
+                 "langchain", "resp-chain")
 ROUTES_ANTHROPIC = ("claude-plain", "claude-stream", "claude-cache", "claude-container")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -177,6 +177,23 @@ def test_previous_response_id_follows_the_model_across_a_canary_split(stack):
         client.responses.create(model="resp-split", previous_response_id="resp_never_seen", input="hm")
     assert unknown.value.status_code == 409 and "previous_response_id" in unknown.value.message
     assert unknown.value.body["param"] == "previous_response_id"
+
+
+def test_a_follow_up_falls_in_its_conversations_segment(stack):
+    """A Responses follow-up sends only its new turn; the model reads the whole conversation. The
+    third user turn of a chain is multi_turn, and every turn after a long first one is long_context."""
+    _, proxy = stack
+    client = _openai(proxy)
+    for first in ("Where is my order?", "Here is our whole contract. " * 1300):  # ~9k tokens
+        previous = None
+        for turn in range(4):
+            raw = client.responses.with_raw_response.create(
+                model="resp-chain", input=first if previous is None else f"and then {turn}?",
+                previous_response_id=previous)
+            previous = raw.parse().id
+    counts = {seg: _metric(proxy, "modelcanary_requests_total", route="resp-chain", segment=seg, outcome="completed")
+              for seg in ("chat", "multi_turn", "long_context")}
+    assert counts == {"chat": 2, "multi_turn": 2, "long_context": 4}, counts
 
 
 def test_a_request_on_upstream_state_is_never_shadowed(stack):

@@ -34,7 +34,7 @@ from service.proxy.recorder import Call
 from service.proxy.retries import fingerprint
 from service.proxy.routing import conversation_unit, pick
 from service.proxy.sampler import opted_out
-from service.proxy.segments import classify_segment
+from service.proxy.segments import classify_segment, user_turns
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.records import Role
 from service.upstream.base import UpstreamReply
@@ -72,7 +72,8 @@ class FormatEndpoint:
             stateful = fmt.stateful(body)
             view = fmt.view(body)
             segment = classify_segment(view, headers.get("x-task-type"),
-                                       proxy.config.routes[route].task_types if route is not None else ())
+                                       proxy.config.routes[route].task_types if route is not None else (),
+                                       self.owners.conversation(body.get("previous_response_id")))
             proxy.refuse_other_api(name, fmt.provider_api)
             client = f"{client_authorization(headers) or ''}|{session_key or ''}"
             unit = 0.0 if session_key else conversation_unit(client, view["messages"])
@@ -129,7 +130,7 @@ class FormatEndpoint:
         if route is None:
             return name, "stable"
         rc = self.proxy.config.routes[route]
-        if stateful in (None, "background", "container") or (stateful == "conversation" and rc.candidate is None):
+        if stateful in (None, "background", "container", "mcp") or (stateful == "conversation" and rc.candidate is None):
             return pick(route, self.proxy.book.routing[route], session_key, segment, unit)
         if stateful == "conversation":
             return rc.stable, "stable"
@@ -182,12 +183,21 @@ class FormatEndpoint:
         response_id = fmt.response_id(response)
         if response_id is not None:
             call.response_id = response_id
-            self.owners.remember(response_id, call.route, call.model_key)
+            self._remember(call, response_id, view)
         if call.span is not None:
             call.chat = fmt.chat_view(response)
             call.finish_reasons = [c["finish_reason"] for c in (call.chat or {}).get("choices") or ()
                                    if c.get("finish_reason")]
         return fmt.classify(view, response, self.proxy._checks(call))
+
+    def _remember(self, call: Call, response_id: str, view: dict) -> None:
+        """Who stored the answer, and the conversation's length by then: the upstream's count of its
+        input holds the turns before (an estimate from the text does not)."""
+        tokens, turns = self.owners.conversation((call.request or {}).get("previous_response_id"))
+        usage = call.usage
+        if usage is not None:
+            tokens = (tokens if usage.estimated else 0) + usage.total_input + usage.output
+        self.owners.remember(response_id, call.route, call.model_key, tokens, turns + user_turns(view["messages"]))
 
     def _is_over(self, events: bytes) -> bool:
         """Whether events hold the stream's terminal event: the answer is whole, whatever follows."""

@@ -1,7 +1,9 @@
 """Which model stored a Responses-API answer, on which route, so that a follow-up naming it
 (`previous_response_id`), and fetching, cancelling or deleting it by id, go to that model whatever
-the split says. Bounded: the oldest ids are forgotten first. In Kafka mode every replica learns the
-ids the others served from the `response_id` of their outcomes."""
+the split says; and how long the conversation was by then (its tokens and user turns), so that the
+follow-up, which sends only its new turn, falls in the conversation's segment. Bounded: the oldest
+ids are forgotten first. In Kafka mode every replica learns the ids the others served from the
+`response_id` of their outcomes (the conversation's length only from its own answers)."""
 
 from __future__ import annotations
 
@@ -29,19 +31,19 @@ class Owner(NamedTuple):
 
 class ResponseOwners:
     def __init__(self, capacity: int = MEMORY):
-        self._owners = Recent(capacity, width=1)  # response id -> index in _known
+        self._owners = Recent(capacity, width=3)  # response id -> index in _known, tokens, user turns
         self._known: list[Owner] = []
         self._index: dict[Owner, int] = {}
         self._waiting: dict[str, list[asyncio.Future]] = {}
         self.learning = False  # also from the other replicas' outcomes (Kafka mode, follow_outcomes)
 
-    def remember(self, response_id: str, route: str, model_key: str) -> None:
+    def remember(self, response_id: str, route: str, model_key: str, tokens: int = 0, turns: int = 0) -> None:
         owner = Owner(route, model_key)
         index = self._index.get(owner)
         if index is None:
             index = self._index[owner] = len(self._known)
             self._known.append(owner)
-        self._owners.put(response_id, index)
+        self._owners.put(response_id, index, tokens, turns)
         for waiter in self._waiting.pop(response_id, ()):
             if not waiter.done():
                 waiter.set_result(owner)
@@ -49,6 +51,11 @@ class ResponseOwners:
     def owner(self, response_id: str) -> Owner | None:
         found = self._owners.get(response_id)
         return None if found is None else self._known[found[0]]
+
+    def conversation(self, response_id: object) -> tuple[int, int]:
+        """(tokens, user turns) of the conversation up to a stored answer; (0, 0) when unknown."""
+        found = self._owners.get(response_id) if isinstance(response_id, str) else None
+        return (0, 0) if found is None else (found[1], found[2])
 
     async def wait(self, response_id: str, timeout_s: float) -> Owner | None:
         """The owner, waiting up to `timeout_s` for it to become known."""
@@ -77,7 +84,7 @@ async def follow_outcomes(sub: Subscription, owners: ResponseOwners, stop: async
             for record in await sub.get_batch(1000, 0.5):
                 # an outcome with a response_id is a request's, which names its model
                 if isinstance(record, OutcomeEvent) and record.response_id and record.model is not None \
-                        and record.route is not None:
+                        and record.route is not None and owners.owner(record.response_id) is None:
                     owners.remember(record.response_id, record.route, record.model)
     finally:
         await sub.close()

@@ -39,8 +39,15 @@ def wants_json(body: dict) -> bool:
     return isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")
 
 
-def classify_segment(body: dict, task_type: str | None = None, task_types: list[str] | tuple = ()) -> str:
-    """`x-task-type` when allowed, else the first of tools, json, long_context, multi_turn, chat."""
+def user_turns(messages: list) -> int:
+    return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "user")
+
+
+def classify_segment(body: dict, task_type: str | None = None, task_types: list[str] | tuple = (),
+                     before: tuple[int, int] = (0, 0)) -> str:
+    """`x-task-type` when allowed, else the first of tools, json, long_context, multi_turn, chat.
+    `before`: (tokens, user turns) of the conversation the request continues upstream (a Responses
+    follow-up sends only its new turn)."""
     if task_type and task_type in task_types:
         return task_type
     if body.get("tools") or body.get("functions"):
@@ -50,9 +57,8 @@ def classify_segment(body: dict, task_type: str | None = None, task_types: list[
     messages = body.get("messages")
     if not isinstance(messages, list):
         return "chat"
-    if estimate_tokens(message_chars(messages)) > LONG_CONTEXT_TOKENS:
+    if estimate_tokens(message_chars(messages)) + before[0] > LONG_CONTEXT_TOKENS:
         return "long_context"
-    user_turns = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "user")
-    if user_turns > 2:
+    if user_turns(messages) + before[1] > 2:
         return "multi_turn"
     return "chat"
