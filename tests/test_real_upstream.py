@@ -158,7 +158,8 @@ async def _stream(client: openai.AsyncOpenAI, plan: Plan, body: dict, seen: Seen
                     chunks += 1
                 for tc in delta.tool_calls or ():
                     call = calls.setdefault(tc.index, {"function": {"name": "", "arguments": ""}})
-                    if tc.function and tc.function.name:
+                    # llama.cpp's server repeats the whole name in every delta: the Agents SDK takes it once
+                    if tc.function and tc.function.name and tc.function.name != call["function"]["name"]:
                         call["function"]["name"] += tc.function.name
                     if tc.function and tc.function.arguments:
                         call["function"]["arguments"] += tc.function.arguments
@@ -302,3 +303,47 @@ def test_passed_through_endpoint_gets_the_same_error_rules(llama_server, servers
     with pytest.raises(openai.NotFoundError) as missing:  # llama.cpp has no Responses API: its own 404, kept
         client.responses.create(model="chat", input="Say hi.")
     assert missing.value.response.json() == {"detail": "Not Found"}, missing.value.response.text
+
+
+def _tool_delta(name: str, arguments: str, call_id: str | None = "call_0") -> bytes:
+    call = {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    chunk = {"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def test_reassembly_keeps_a_tool_name_each_delta_repeats():
+    """llama.cpp's server (llama-cpp-python) repeats the whole name, id and type in every delta of a
+    streamed tool call; a provider that splits a name sends fragments once each."""
+    from service.proxy.sse import reassemble
+
+    repeated = b"".join(_tool_delta("get_weather", part) for part in ('{"city"', ': "Paris"', "}"))
+    split = _tool_delta("get_", '{"city"') + _tool_delta("weather", ': "Paris"}', None)
+    for raw in (repeated, split):
+        (call,) = reassemble(raw + b"data: [DONE]\n\n").response["choices"][0]["message"]["tool_calls"]
+        assert call == {"id": "call_0", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_a_streamed_tool_call_from_llama_is_recorded_completed(llama_server, servers):
+    """A streamed call of the tool `tool_choice` names, with arguments that fit, is `completed`, as it
+    is unstreamed (and as the Agents SDK, which runs the tool, sees it)."""
+    from tests.fixtures.servers import metric_value, scrape
+
+    proxy = servers.proxy({"providers": {"llama": {"base_url": llama_server.base_url, "max_retries": 0}},
+                           "models": {"small-tools": {"provider": "llama", "name": llama_server.tools_model}},
+                           "routes": {"tools": {"stable": "small-tools"}}})
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0, timeout=60)
+    body = {"model": "tools", "tools": [WEATHER], "max_tokens": 24,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+    with client.chat.completions.stream(**body) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls or ()
+    arguments = json.loads(call.function.arguments)
+    assert Draft202012Validator(WEATHER["function"]["parameters"]).is_valid(arguments), arguments
+    deadline = time.monotonic() + 10  # recorded once the proxy has read the stream's end
+    while not metric_value(text := scrape(proxy.url), "modelcanary_requests_total", route="tools") and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric_value(text, "modelcanary_requests_total", route="tools", outcome="completed") == 1, \
+        [line for line in text.splitlines() if line.startswith("modelcanary_failures_total")]

@@ -26,7 +26,7 @@ from service.admin.api import admin_router
 from service.admin.traffic import RecentTraffic
 from service.bus import EventBus, make_bus
 from service.config import Config, ConfigError, ReloadRefused, TracingConfig, environment_problems, load_config
-from service.errors import openai_error
+from service.errors import ErrorResponse, anthropic_error, openai_error
 from service.feedback import unmatched_route
 from service.proxy.chat import BadRequest, Proxy
 from service.proxy.endpoint import FormatEndpoint
@@ -292,18 +292,30 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
+        anthropic = _anthropic_client(request)
         try:
             allowed = proxy.allowed_names(request.headers)
         except BadRequest as e:
-            return e.response()
-        names = [name for name in runtime.config.routes if allowed is None or "*" in allowed or name in allowed]
-        if "anthropic-version" in request.headers:  # an Anthropic client: its list shape
-            data: list[dict] = [{"type": "model", "id": name, "display_name": name,
-                                 "created_at": "1970-01-01T00:00:00Z"} for name in names]
+            return e.response(anthropic_error if anthropic else openai_error)
+        names = [name for name in runtime.config.routes if _may_use(allowed, name)]
+        data = [_model_entry(name, anthropic) for name in names]
+        if anthropic:
             return JSONResponse({"data": data, "has_more": False, "first_id": names[0] if names else None,
                                  "last_id": names[-1] if names else None})
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "modelcanary"} for name in names]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str) -> Response:
+        anthropic = _anthropic_client(request)
+        shape: ErrorResponse = anthropic_error if anthropic else openai_error
+        try:
+            allowed = proxy.allowed_names(request.headers)
+        except BadRequest as e:
+            return e.response(shape)
+        known = model_id in runtime.config.routes or model_id in runtime.config.models
+        if known and _may_use(allowed, model_id):  # another key's model is as unknown as no model
+            return JSONResponse(_model_entry(model_id, anthropic))
+        return shape(404, f"The model '{model_id[:100]}' does not exist", code="model_not_found", param="model")
 
     @app.post("/v1/responses", openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": RESPONSES_REQUEST_SCHEMA}}}},
@@ -371,6 +383,23 @@ def create_app(config: Config, config_path: str | None = None,  # noqa: C901 - c
         return openai_error(500, "internal proxy error", code="proxy_error")
 
     return app
+
+
+def _anthropic_client(request: Request) -> bool:
+    """Whether an Anthropic SDK asks (it always sends `anthropic-version`): answered in its shapes."""
+    return "anthropic-version" in request.headers
+
+
+def _may_use(allowed: set[str] | None, name: str) -> bool:
+    """Whether a client whose key allows `allowed` (None: no client keys) may use route or model `name`."""
+    return allowed is None or "*" in allowed or name in allowed
+
+
+def _model_entry(name: str, anthropic: bool) -> dict:
+    """A route or model key as the models endpoints list it: OpenAI's `Model` or Anthropic's `ModelInfo`."""
+    if anthropic:
+        return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "modelcanary"}
 
 
 async def _feedback(runtime: Runtime, request: Request) -> Response:  # noqa: C901 - validates each field in turn, one clear error each

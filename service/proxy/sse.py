@@ -66,7 +66,10 @@ def _merge_tool_call(calls: dict[int, dict], delta: dict) -> None:
         return
     for key in ("name", "arguments"):
         part = fn.get(key)
-        if isinstance(part, str) and isinstance(call["function"][key], str):
+        gathered = call["function"][key]
+        if key == "name" and part == gathered:
+            continue  # llama.cpp's server repeats the whole name in every delta
+        if isinstance(part, str) and isinstance(gathered, str):
             call["function"][key] += part
         elif part is not None and part != "":
             call["function"][key] = part  # not text: kept as sent, for the verifiers to reject

@@ -52,7 +52,8 @@ class ApiFormat(Protocol):
         """The request as a chat-shaped view (segments, verifiers, token estimates)."""
 
     def stateful(self, body: dict) -> str | None:
-        """The field that makes this request depend on state the upstream keeps, or None."""
+        """Why this request is never shadowed, or None: the field naming state the upstream keeps, or
+        `container` / `mcp` for tools that act on the client's own container or servers."""
 
     def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
         """Verdict on a 2xx answer (streamed answers reassembled first)."""

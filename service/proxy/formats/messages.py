@@ -92,11 +92,14 @@ class MessagesFormat:
         return view
 
     def stateful(self, body: dict) -> str | None:
-        """The conversation is always whole; only a container the client already has is state: its
-        code execution would see and change that container's files."""
+        """The conversation is always whole; but a container the client already has is state (its code
+        execution would see and change that container's files), and the provider calls the client's
+        own `mcp_servers` for each request that names them."""
         container = body.get("container")
         if isinstance(container, str) or (isinstance(container, dict) and container.get("id")):
             return "container"
+        if body.get("mcp_servers"):
+            return "mcp"
         return None
 
     def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:

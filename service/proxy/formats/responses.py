@@ -104,9 +104,12 @@ class ResponsesFormat:
             return "conversation"
         if body.get("background") is True:  # the answer is fetched later from the upstream that holds it
             return "background"
-        tools = body.get("tools")
-        if isinstance(tools, list) and any(isinstance(t, dict) and isinstance(t.get("container"), str) for t in tools):
+        listed = body.get("tools")
+        tools = [t for t in listed if isinstance(t, dict)] if isinstance(listed, list) else []
+        if any(isinstance(t.get("container"), str) for t in tools):
             return "container"  # a tool runs in the client's own container: a shadow call would change it
+        if any(t.get("type") == "mcp" for t in tools):
+            return "mcp"  # the provider calls the client's MCP server or connector: a shadow call would call it again
         return None
 
     def classify(self, view: dict, response: dict, checks: Checks) -> Verdict:
