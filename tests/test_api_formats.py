@@ -20,6 +20,7 @@ from tests.fixtures.servers import (
     metric_value,
     proxy_config,
     scrape,
+    shadowed_route,
     sim_config,
     start_proxy,
     start_simulator,
@@ -36,12 +37,6 @@ RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "W
 ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
 
 
-def _route(stable: str, candidate: str) -> dict:
-    return {"stable": stable, "candidate": candidate,
-            "shadow": {"sample_rate": 1.0, "max_per_minute": 100000, "noise_floor": True},
-            "rollout": {"steps": [50], "mode": "advisory", "min_shadow_samples": 100000}}
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("formats")
@@ -51,8 +46,8 @@ def stack(tmp_path_factory):
     cfg["models"]["stable-a"] = {"provider": "claude", "name": "good-model",
                                  "price": {"input_per_mtok": 3.0, "output_per_mtok": 15.0}}
     cfg["models"]["candidate-a"] = {"provider": "claude", "name": "new-model"}
-    cfg["routes"] = {**{r: _route("stable-m", "candidate-m") for r in ROUTES_OPENAI},
-                     **{r: _route("stable-a", "candidate-a") for r in ROUTES_ANTHROPIC}}
+    cfg["routes"] = {**{r: shadowed_route("stable-m", "candidate-m") for r in ROUTES_OPENAI},
+                     **{r: shadowed_route("stable-a", "candidate-a") for r in ROUTES_ANTHROPIC}}
     proxy = start_proxy(tmp, cfg, env=ENV)
     yield sim, proxy
     proxy.stop()
@@ -227,7 +222,8 @@ def two_upstreams(tmp_path_factory):
     cfg["providers"]["sim-b"] = {**cfg["providers"]["sim"], "base_url": sims[1].url + "/v1"}
     cfg["models"]["candidate-m"]["provider"] = "sim-b"
     cfg["models"]["other-m"] = {"provider": "sim", "name": "far-model"}
-    cfg["routes"] = {"split": _route("stable-m", "candidate-m"), "split-too": _route("stable-m", "other-m"),
+    cfg["routes"] = {"split": shadowed_route("stable-m", "candidate-m"),
+                     "split-too": shadowed_route("stable-m", "other-m"),
                      "solo": {"stable": "stable-m"}}
     proxy = start_proxy(tmp, cfg, env=ENV)
     _admin_promote(proxy, "split")  # 50 % of live traffic to the candidate
@@ -413,7 +409,7 @@ def test_shadow_calls_of_a_messages_request_repeat_its_anthropic_headers(tmp_pat
         cfg["providers"]["claude"] = {"base_url": url + "/v1", "api": "anthropic", "timeout_s": 5, "max_retries": 0}
         cfg["models"]["stable-a"] = {"provider": "claude", "name": "claude-stable"}
         cfg["models"]["candidate-a"] = {"provider": "claude", "name": "claude-candidate"}
-        cfg["routes"] = {"claude-beta": _route("stable-a", "candidate-a")}
+        cfg["routes"] = {"claude-beta": shadowed_route("stable-a", "candidate-a")}
         proxy = start_proxy(tmp_path, cfg)
         try:
             client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-client", max_retries=0, timeout=10,

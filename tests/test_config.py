@@ -312,17 +312,16 @@ def test_the_webhook_url_can_come_from_an_environment_variable(servers):
     """A Slack-style URL whose path is the secret is given as notify.webhook_url_env (from a Secret, as
     providers' api_key_env): check-config takes it, and the proxy POSTs the phase changes to it, a
     Secret file's trailing line break left out, without ever logging it."""
-    import http.server
     import json
     import threading
     import urllib.request
 
-    from tests.fixtures.servers import proxy_config
+    from tests.fixtures.servers import QuietHandler, http_server, proxy_config
 
     posted: list[str] = []
     arrived = threading.Event()
 
-    class Hook(http.server.BaseHTTPRequestHandler):
+    class Hook(QuietHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             self.rfile.read(int(self.headers["Content-Length"]))
             posted.append(self.path)
@@ -330,15 +329,10 @@ def test_the_webhook_url_can_come_from_an_environment_variable(servers):
             self.send_response(204)
             self.end_headers()
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-    threading.Thread(target=hook.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{hook.server_address[1]}/services/T0SECRET/B0SECRET/XXSECRET"
-    env = {"MC_TEST_WEBHOOK": url + "\n", "MODELCANARY_ADMIN_TOKEN": "t0ken"}
-    cfg = proxy_config("http://127.0.0.1:1") | {"notify": {"webhook_url_env": "MC_TEST_WEBHOOK"}}
-    try:
+    with http_server(Hook) as base:
+        url = base + "/services/T0SECRET/B0SECRET/XXSECRET"
+        env = {"MC_TEST_WEBHOOK": url + "\n", "MODELCANARY_ADMIN_TOKEN": "t0ken"}
+        cfg = proxy_config("http://127.0.0.1:1") | {"notify": {"webhook_url_env": "MC_TEST_WEBHOOK"}}
         proxy = servers.proxy(cfg, env=env)
         checked = subprocess.run([sys.executable, "-m", "modelcanary", "check-config", str(proxy.config_path)],
                                  capture_output=True, text=True, cwd=ROOT, timeout=60, env={**os.environ, **env})
@@ -349,8 +343,6 @@ def test_the_webhook_url_can_come_from_an_environment_variable(servers):
             assert json.loads(r.read())["phase"] == "paused"
         assert arrived.wait(10), proxy.output()[-2000:]
         proxy.stop()
-    finally:
-        hook.shutdown()
     assert posted == ["/services/T0SECRET/B0SECRET/XXSECRET"]
     assert "SECRET" not in proxy.output() + checked.stdout + checked.stderr
 

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TypeVar
 
 import openai
 import pytest
 
-from tests.fixtures.servers import metric_value, scrape
+from tests.fixtures.servers import QuietHandler, http_server, metric_value, scrape
 
 pytestmark = pytest.mark.timeout(120)
 T = TypeVar("T")
@@ -66,7 +64,7 @@ def streamed(body: dict) -> bytes:
 
 @contextlib.contextmanager
 def llama_shaped() -> Iterator[str]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
             body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
             out = streamed(body) if body.get("stream") else plain(body)
@@ -77,16 +75,9 @@ def llama_shaped() -> Iterator[str]:
             self.end_headers()
             self.wfile.write(out)
 
-        def log_message(self, *args: object) -> None:
-            pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield url + "/v1"
 
 
 def aa_config(base_url: str, upstream_model: str, **route: object) -> dict:

@@ -9,19 +9,18 @@ request names, as OpenAI and Anthropic do."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import anthropic
 import openai
 import pytest
 
-from tests.fixtures.servers import metric_value, scrape, start_proxy
+from tests.fixtures.servers import QuietHandler, http_server, metric_value, scrape, shadowed_route, start_proxy
 
 ROUTES_OPENAI = ("mcp-url", "mcp-connector", "function-tool")
 ROUTES_ANTHROPIC = ("claude-mcp",)
@@ -50,12 +49,9 @@ def _mcp_urls(body: dict) -> list[str]:
 
 
 def _handler(respond: Callable[[BaseHTTPRequestHandler, bytes], None]) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
             respond(self, self.rfile.read(int(self.headers.get("content-length") or 0)))
-
-        def log_message(self, *args: object) -> None:
-            pass
 
     return Handler
 
@@ -67,17 +63,6 @@ def _send(handler: BaseHTTPRequestHandler, payload: dict) -> None:
     handler.send_header("content-length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
-
-
-@contextmanager
-def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @contextmanager
@@ -98,15 +83,9 @@ def _provider() -> Iterator[tuple[Provider, str]]:
             urllib.request.urlopen(call, timeout=5).read()
         _send(handler, {**(MESSAGE if handler.path.endswith("/messages") else RESPONSE), "model": body["model"]})
 
-    with _serving(_handler(mcp)) as mcp_url, _serving(_handler(upstream)) as url:
+    with http_server(_handler(mcp)) as mcp_url, http_server(_handler(upstream)) as url:
         provider.url = url
         yield provider, mcp_url + "/mcp"
-
-
-def _route(stable: str, candidate: str) -> dict:
-    return {"stable": stable, "candidate": candidate,
-            "shadow": {"sample_rate": 1.0, "max_per_minute": 100000, "noise_floor": True},
-            "rollout": {"steps": [50], "mode": "advisory", "min_shadow_samples": 100000}}
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +99,8 @@ def stack(tmp_path_factory):
                           "candidate-m": {"provider": "emu", "name": "new-model"},
                           "stable-a": {"provider": "emu-claude", "name": "good-claude"},
                           "candidate-a": {"provider": "emu-claude", "name": "new-claude"}},
-               "routes": {**{r: _route("stable-m", "candidate-m") for r in ROUTES_OPENAI},
-                          **{r: _route("stable-a", "candidate-a") for r in ROUTES_ANTHROPIC}}}
+               "routes": {**{r: shadowed_route("stable-m", "candidate-m") for r in ROUTES_OPENAI},
+                          **{r: shadowed_route("stable-a", "candidate-a") for r in ROUTES_ANTHROPIC}}}
         proxy = start_proxy(tmp, cfg)
         yield proxy, provider, mcp_url
         proxy.stop()

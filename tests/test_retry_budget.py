@@ -38,10 +38,14 @@ def test_a_retry_ruled_out_by_retry_after_or_the_deadline_spends_no_budget():
                                                     deadline_s=deadline_s)
                 assert attempted.retries == 0 and attempted.reply is not None
             assert upstream.calls == 3
-        retried = Upstream(503, {})
-        attempted = await send_with_retries(retried, "/x", b"{}", {}, False, budget)
-        assert attempted.retries == 1 and retried.calls == 2  # the budget's one retry is still there
+        await _one_retry_left(budget)
     asyncio.run(go())
+
+
+async def _one_retry_left(budget: RetryBudget) -> None:
+    retried = Upstream(503, {})
+    attempted = await send_with_retries(retried, "/x", b"{}", {}, False, budget)
+    assert attempted.retries == 1 and retried.calls == 2  # the budget's one retry is still there
 
 
 def test_a_429_is_retried_as_rate_limited_but_never_one_that_says_the_quota_is_spent():
@@ -154,9 +158,7 @@ def test_a_retry_the_client_cut_short_during_the_wait_is_not_counted_or_paid():
         except asyncio.CancelledError:
             pass
         assert (limited.calls, causes) == (1, [])
-        retried = Upstream(503, {})
-        attempted = await send_with_retries(retried, "/x", b"{}", {}, False, budget)
-        assert attempted.retries == 1 and retried.calls == 2  # the budget's one retry is still there
+        await _one_retry_left(budget)
     asyncio.run(go())
 
 

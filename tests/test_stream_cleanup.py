@@ -71,7 +71,8 @@ def test_a_stream_never_started_still_ends_its_call(servers):
         reply = await provider.send("/chat/completions", body.encode(), {"Content-Type": "application/json"}, True)
         call = Call(request_id="r1", route="support-bot", model_key="stable-m", role="stable", segment="chat",
                     started=time.perf_counter(), request={}, stream=True)
-        relay = StreamRelay(call, reply, lambda raw, clipped: failed("bad_response"), None, finished.append)
+        relay = StreamRelay(call, reply, lambda raw, clipped: failed("bad_response"), None, finished.append,
+                            lambda: False)
         sent: list[dict] = []
 
         async def receive() -> dict:

@@ -8,16 +8,23 @@ import asyncio
 import contextlib
 import copy
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import aiohttp
 import pytest
 
 from service.proxy.streaming import STREAM_CAPTURE_LIMIT
-from tests.fixtures.servers import SIM_MODEL, canned_upstream, metric_value, proxy_config, scrape, sim_config
+from tests.fixtures.servers import (
+    SIM_MODEL,
+    QuietHandler,
+    canned_upstream,
+    http_server,
+    metric_value,
+    proxy_config,
+    scrape,
+    sim_config,
+)
 
 SLOW = {**copy.deepcopy(SIM_MODEL), "latency_s": {"median": 4.0, "p95": 4.5}, "ttft_s": {"median": 0.05, "p95": 0.1},
         "output_tokens": {"median": 300, "p95": 400}}
@@ -183,7 +190,7 @@ def test_a_stream_the_upstream_cuts_short_still_costs_its_tokens(servers):
 def events_then_silence(events: bytes, hold_s: float) -> Iterator[str]:
     """An upstream that answers any POST with an event stream: `events` at once, then nothing for
     `hold_s` (the connection kept open), then the body's end."""
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
@@ -198,16 +205,9 @@ def events_then_silence(events: bytes, hold_s: float) -> Iterator[str]:
             time.sleep(hold_s)
             self.wfile.write(b"0\r\n\r\n")
 
-        def log_message(self, *args: object) -> None:
-            pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield url
 
 
 def start_proxy(servers, url: str, api: str):

@@ -63,6 +63,7 @@ class Proxy:
         self.use_tracing(tracing)
         self.retries = RetryDetector()
         self.draining = False
+        self.cutting = False  # the drain time is up: the streams left are being cut
         self.in_flight = 0
         self._in_flight_children = metrics.LabelCache(metrics.in_flight_requests)
         self.reload(config)
@@ -222,7 +223,7 @@ class Proxy:
             return sent
         if call.stream and sent.status == 200:
             return StreamRelay(call, sent, partial(self._classify_stream, call, judge),
-                               partial(self._tally_stream, call), self._done,
+                               partial(self._tally_stream, call), self._done, self.cutting_streams,
                                has_output=chat_has_output).response(self._headers(call, sent) | SSE_HEADERS)
         try:
             answer = self._plain(call, sent, judge)
@@ -231,6 +232,9 @@ class Proxy:
         return self.respond(gone, call, answer)
 
     # ---- pieces every proxied endpoint shares ------------------------------------------------
+    def cutting_streams(self) -> bool:
+        return self.cutting
+
     def _start(self, call: Call) -> None:
         """The call is in flight from here; `_done` ends it, exactly once."""
         self.in_flight += 1
@@ -484,8 +488,10 @@ class Proxy:
         if isinstance(sent, Response):
             return sent
         if call.stream and sent.status == 200:
-            return StreamRelay(call, sent, partial(self._classify_stream, call, None), None, self._done).response(
-                self._headers(call, sent) | SSE_HEADERS, media_type=sent.headers.get("content-type", "text/event-stream"))
+            relay = StreamRelay(call, sent, partial(self._classify_stream, call, None), None, self._done,
+                                self.cutting_streams)
+            return relay.response(self._headers(call, sent) | SSE_HEADERS,
+                                  media_type=sent.headers.get("content-type", "text/event-stream"))
         return self.respond(partial(client_gone, request.receive), call, self._passed_through(call, sent))
 
     def _passthrough_target(self, name: object, headers: Mapping[str, str],

@@ -110,7 +110,7 @@ class FormatEndpoint:
             return sent
         if call.stream and sent.status == 200:
             relay = StreamRelay(call, sent, partial(self._classify_stream, call, view),
-                                partial(self._tally_stream, call, view), proxy._done,
+                                partial(self._tally_stream, call, view), proxy._done, proxy.cutting_streams,
                                 is_over=self._is_over, has_output=fmt.has_output, error_event=fmt.stream_error)
             return relay.response(proxy._headers(call, sent) | SSE_HEADERS)
         try:

@@ -30,6 +30,7 @@ CAUSE_BLAME: dict[str, Blame] = {
     "invalid_tool_call": "model",
     "client_cancelled": "client",
     "proxy_error": "proxy",
+    "draining": "proxy",  # a stream still open when server.drain_seconds ran out, cut on shutdown
 }
 
 @dataclass(frozen=True, slots=True)

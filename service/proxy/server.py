@@ -285,6 +285,7 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif waited >= self.runtime.config.server.drain_seconds:
                 # the drain time is used up: cut what is left now, not after uvicorn's own graceful wait
+                self.runtime.proxy.cutting = True
                 self.config.timeout_graceful_shutdown = 0.1  # type: ignore[assignment]  # seconds; annotated int
                 self.should_exit = True
         return await super().on_tick(counter)

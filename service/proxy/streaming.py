@@ -84,11 +84,14 @@ class StreamRelay:
 
     def __init__(self, call: Call, reply: UpstreamReply, judge: Callable[[bytes, bool], Verdict],
                  tally: Callable[[bytes], Verdict | None] | None, finish: Callable[[Call], None],
-                 is_over: Callable[[bytes], bool] = chat_stream_over, has_output: Callable[[bytes], bool] | None = None,
+                 cutting: Callable[[], bool], is_over: Callable[[bytes], bool] = chat_stream_over,
+                 has_output: Callable[[bytes], bool] | None = None,
                  error_event: Callable[[int, str, str], bytes] = chat_error_event):
-        """`has_output(events)`: whether events carry output, for time to first token (default: any
+        """`cutting()`: whether the proxy is cutting the streams left at the end of its drain;
+        `has_output(events)`: whether events carry output, for time to first token (default: any
         event does); `error_event(status, message, code)`: an error in the stream's own format."""
         self.call = call
+        self._cutting = cutting
         self.reply = reply
         self._judge = judge
         self._tally = tally
@@ -102,7 +105,17 @@ class StreamRelay:
         self._closed = False
 
     def response(self, headers: Mapping[str, str], media_type: str = "text/event-stream") -> EventStreamResponse:
-        return EventStreamResponse(self.events(), headers=headers, media_type=media_type, on_close=self.close)
+        return EventStreamResponse(self.events(), headers=headers, media_type=media_type, on_close=self.close,
+                                   on_cut=self.cut)
+
+    def cut(self) -> bytes | None:
+        """The stream's last event when the proxy cuts it at the end of its drain (None: it doesn't):
+        the call ends `draining`, its client is told."""
+        if not self._cutting():
+            return None
+        self.call.verdict = failed("draining", "the stream was still open when server.drain_seconds ran out")
+        return self._error_event(503, "the proxy is shutting down and cut this stream at the end of its drain; "
+                                 "retry on another replica", "draining")
 
     async def events(self) -> AsyncGenerator[bytes, None]:  # noqa: C901 - the stream's lifecycle (forward, capture, end, fail) in one generator
         call = self.call
@@ -183,12 +196,16 @@ class EventStreamResponse(Response):
 
     def __init__(self, chunks: AsyncIterator[bytes], status_code: int = 200,
                  headers: Mapping[str, str] | None = None, media_type: str = "text/event-stream",
-                 on_close: Callable[[bool], Awaitable[None]] | None = None):
+                 on_close: Callable[[bool], Awaitable[None]] | None = None,
+                 on_cut: Callable[[], bytes | None] | None = None):
+        """`on_cut()`: when the server cancels the stream, its last bytes if the proxy meant to (the
+        end of a drain); None: an unexpected cancel, raised on."""
         self.chunks = chunks
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
         self.on_close = on_close
+        self.on_cut = on_cut
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -204,15 +221,20 @@ class EventStreamResponse(Response):
             sender.cancel()
 
         watcher = asyncio.get_running_loop().create_task(watch_for_disconnect())
+        started = False
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            started = True
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not left:
+            last = None if left or self.on_cut is None else self.on_cut()
+            if not left and last is None:
                 raise
-            sender.uncancel()  # the client left: the stream ends here
+            sender.uncancel()  # the client left, or the proxy cuts the stream: it ends here
+            if last is not None:
+                await self._last_words(send, started, last)
         finally:
             watcher.cancel()
             try:
@@ -222,3 +244,8 @@ class EventStreamResponse(Response):
             finally:
                 if self.on_close is not None:
                     await self.on_close(left)
+
+    async def _last_words(self, send: Send, started: bool, last: bytes) -> None:
+        if not started:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": last, "more_body": False})

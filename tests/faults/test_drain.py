@@ -10,10 +10,12 @@ import signal
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import aiohttp
 import pytest
 
+from service.bus.kafka import read_topic
 from tests.fixtures.servers import SIM_MODEL, proxy_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -106,11 +108,16 @@ def test_sigterm_drains_50_open_streams(servers):
     assert proxy.proc.wait(15) == 0  # and the process exits on its own once they are done
 
 
-def test_drain_is_bounded_by_drain_seconds(servers):
+def test_drain_is_bounded_by_drain_seconds(servers, kafka_broker):
+    """Streams still open when drain_seconds runs out are cut, each told so by an error event
+    (`draining`) and recorded as the proxy's `draining`, not as a `proxy_error` (a bug, alerted on)."""
     sim = servers.simulator(slow_sim(8.0))
     cfg = proxy_config(sim.url)
     cfg["server"] = {"drain_seconds": 1}
     cfg["providers"]["sim"]["timeout_s"] = 30
+    prefix = "drain" + uuid.uuid4().hex[:8]
+    cfg["events"] = {"backend": "kafka", "kafka": {"bootstrap_servers": kafka_broker.bootstrap,
+                                                   "topic_prefix": prefix, "partitions": 1}}
     proxy = servers.proxy(cfg)
     ended: list[float] = []
 
@@ -127,4 +134,10 @@ def test_drain_is_bounded_by_drain_seconds(servers):
     assert len(ended) == 5
     assert all(not b.decode().rstrip().endswith("[DONE]") for b in bodies)  # 8 s streams were cut ...
     assert max(ended) - t0 < 1 + 0.8, [e - t0 for e in ended]       # ... once drain_seconds (1 s) ran out
+    for raw in bodies:
+        assert raw.decode().rstrip().endswith('"code": "draining", "param": null}}'), raw[-300:]
     assert proxy.proc.wait(10) == 0
+    assert "Exception in ASGI application" not in proxy.output()
+    outcomes = [r for r in read_topic(kafka_broker.bootstrap, f"{prefix}.outcomes", timeout_s=15)
+                if r.get("kind") == "request"]
+    assert [(r["outcome"], r["cause"], r["blame"]) for r in outcomes] == [("failed", "draining", "proxy")] * 5
