@@ -5,6 +5,7 @@ weight and step; one candidate canaried per segment, picked by rollout.select; r
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -311,3 +312,24 @@ async def test_a_segment_without_a_verdict_in_time_follows_on_inconclusive():
     for name in ("chat", "json"):  # where the cheaper candidate is not worse: out of time, not of evidence
         reasons = state.segments[name].rejected["cheap-m"].reasons
         assert reasons[0].startswith(f"segment {name}, cheap-m: inconclusive after"), reasons
+
+
+def test_a_conversation_is_placed_alike_on_every_replica_and_every_turn():
+    """Without a session, a conversation's place in the split comes from its start: the same in every
+    process (replicas, `--workers`), and for each later turn of it."""
+    import os
+    import subprocess
+    import sys
+
+    from service.proxy.routing import conversation_unit
+
+    start = [{"role": "system", "content": "You are the order desk."}, {"role": "user", "content": "Where is it?"}]
+    code = ("import json, sys; from service.proxy.routing import conversation_unit; "
+            "print(conversation_unit('Bearer k|', json.loads(sys.argv[1])))")
+    placed = {subprocess.run([sys.executable, "-c", code, json.dumps(start)], capture_output=True, text=True,
+                             check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+              for seed in ("1", "2", "3")}
+    assert len(placed) == 1, placed
+    later = [*start, {"role": "assistant", "content": "On its way."}, {"role": "user", "content": "When?"}]
+    assert conversation_unit("Bearer k|", later) == conversation_unit("Bearer k|", start) == float(placed.pop())
+    assert conversation_unit("Bearer other|", start) != conversation_unit("Bearer k|", start)

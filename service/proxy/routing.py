@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
 
+from service.proxy.segments import content_text
 from service.records import Role, RolloutState
 from service.rollout.book import TERMINAL, Split
 
 _SCALE = float(1 << 64)
-_UNIT = 2.0**-64
-_MASK = (1 << 64) - 1
+START_CHARS = 4096  # of each message that places a conversation: enough to tell them apart, at a bounded cost
 
 
 def unit_hash(*parts: str) -> float:
@@ -21,23 +20,23 @@ def unit_hash(*parts: str) -> float:
 
 def conversation_unit(client: str, messages: object) -> float:
     """A request without a session's place in the split, in [0, 1): from its client and its
-    conversation's start (the messages up to its first user message), the same on every turn of the
-    conversation (an agent's run) and for a retry; in this process (Python's hash)."""
-    start: list[tuple[object, str]] = []
+    conversation's start (the text of its messages up to the first user message, the first
+    START_CHARS of each), the same on every turn of the conversation (an agent's run), for a retry,
+    and on every replica."""
+    parts = [client]
     for m in messages if isinstance(messages, list) else ():
         if not isinstance(m, dict):
             break
-        content = m.get("content")
-        start.append((m.get("role"), content if isinstance(content, str) else json.dumps(content, default=str)))
+        parts.append(f"{m.get('role')}\x1e{content_text(m.get('content'))[:START_CHARS]}")
         if m.get("role") == "user":
             break
-    return (hash((client, tuple(start))) & _MASK) * _UNIT
+    return unit_hash(*parts)
 
 
 def pick(route: str, split: Split, session_key: str | None, segment: str | None, unit: float) -> tuple[str, Role]:
     """(model key, role). A session never flips mid-way unless the weight changes; a request without
-    one is placed by `unit`, uniform in [0, 1) (`conversation_unit`). With rollout.scope segment the request's segment has
-    its own split (none yet: the stable model)."""
+    one is placed by `unit`, uniform in [0, 1) (`conversation_unit`). With rollout.scope segment the
+    request's segment has its own split (none yet: the stable model)."""
     if split.segments is not None and segment is not None:
         split = split.segments.get(segment, split)
     if split.canary is None or split.weight <= 0.0:
