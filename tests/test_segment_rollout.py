@@ -333,3 +333,13 @@ def test_a_conversation_is_placed_alike_on_every_replica_and_every_turn():
     later = [*start, {"role": "assistant", "content": "On its way."}, {"role": "user", "content": "When?"}]
     assert conversation_unit("Bearer k|", later) == conversation_unit("Bearer k|", start) == float(placed.pop())
     assert conversation_unit("Bearer other|", start) != conversation_unit("Bearer k|", start)
+
+
+def test_a_lone_surrogate_in_a_session_or_the_messages_still_places_the_request():
+    """A lone surrogate (valid JSON, `"\\ud800"`) in a session's `user` or in the messages places the
+    request like any text (the upstream call is refused later with a 400 naming it), never a 500."""
+    from service.proxy.routing import conversation_unit, unit_hash
+
+    lone = json.loads('"\\ud800"')
+    assert 0.0 <= unit_hash("bot", lone) < 1.0
+    assert 0.0 <= conversation_unit("Bearer k|", [{"role": "user", "content": lone}]) < 1.0
