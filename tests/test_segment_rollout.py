@@ -56,7 +56,7 @@ def round_of(book: RolloutBook, n: int, rng: random.Random, behaviour: dict[str,
     split = book.routing["bot"]
     for _ in range(n):
         seg = rng.choices(segs, shares)[0]
-        model, role = pick("bot", split, f"s{rng.randrange(10_000)}", seg, 0.0)
+        model, role = pick("bot", split, f"s{rng.randrange(10_000)}", seg, "", [])
         lat = rng.lognormvariate(-1.2, 0.5)
         if role == "canary":
             ok = rng.random() < behaviour[model][seg]
@@ -119,9 +119,9 @@ async def test_each_segment_gets_its_own_outcome_and_candidate():
     tools = segs["tools"].rejected["cheap-m"]
     assert any(r.startswith("segment tools, cheap-m:") and "n=" in r for r in tools.reasons), tools.reasons
     routing = book.routing["bot"]
-    assert pick("bot", routing, "s1", "chat", 0.0) == ("cheap-m", "stable")
-    assert pick("bot", routing, "s1", "tools", 0.0) == ("stable-m", "stable")
-    assert pick("bot", routing, "s1", "multi_turn", 0.0) == ("stable-m", "stable")  # never joined: stable
+    assert pick("bot", routing, "s1", "chat", "", []) == ("cheap-m", "stable")
+    assert pick("bot", routing, "s1", "tools", "", []) == ("stable-m", "stable")
+    assert pick("bot", routing, "s1", "multi_turn", "", []) == ("stable-m", "stable")  # never joined: stable
     # the report: candidates × segments, and /analysis per segment
     matrix = state.report["matrix"]
     rows = {(r["candidate"], r["segment"]): r for r in matrix["rows"]}
@@ -159,14 +159,14 @@ def test_routing_honours_each_segments_weight_and_stays_sticky():
     assert (state.segments["chat"].canary_weight, state.segments["json"].canary_weight) == (0.10, 0.50)
     assert state.segments["chat"].candidate == "cheap-m"   # nothing passed shadow yet: the first listed
     split = book.routing["bot"]
-    share = {seg: sum(pick("bot", split, f"user-{i}", seg, 0.0)[1] == "canary" for i in range(20_000)) / 20_000
+    share = {seg: sum(pick("bot", split, f"user-{i}", seg, "", [])[1] == "canary" for i in range(20_000)) / 20_000
              for seg in ("chat", "json", "tools")}
     assert abs(share["chat"] - 0.10) < 0.01 and abs(share["json"] - 0.50) < 0.015 and share["tools"] == 0.0
-    first = {i: pick("bot", split, f"user-{i}", "chat", 0.0) for i in range(500)}
-    assert all(pick("bot", split, f"user-{i}", "chat", 0.0) == first[i] for i in range(500))
+    first = {i: pick("bot", split, f"user-{i}", "chat", "", []) for i in range(500)}
+    assert all(pick("bot", split, f"user-{i}", "chat", "", []) == first[i] for i in range(500))
     book.operate("bot", "promote", segment="chat")        # 10 % → 50 %: a session on canary stays there
     wider = book.routing["bot"]
-    assert all(pick("bot", wider, f"user-{i}", "chat", 0.0)[1] == "canary" for i, (_, role) in first.items()
+    assert all(pick("bot", wider, f"user-{i}", "chat", "", [])[1] == "canary" for i, (_, role) in first.items()
                if role == "canary")
     assert state.phase == "canary" and state.scope == "segment"
 
@@ -280,7 +280,7 @@ def test_segments_survive_a_restart_and_reach_followers(tmp_path):
     assert all(follower.adopt(state) for state in published)
     assert follower.get("bot").segments == book.get("bot").segments
     assert follower.routing["bot"].segments["json"].weight == 0.1
-    assert pick("bot", follower.routing["bot"], "s", "tools", 0.0) == ("stable-m", "stable")
+    assert pick("bot", follower.routing["bot"], "s", "tools", "", []) == ("stable-m", "stable")
 
 
 def test_each_candidate_has_its_share_of_the_routes_shadow_budget():

@@ -23,7 +23,7 @@ from service.proxy.outcome import COMPLETED, Verdict, classify_chat, failed, ups
 from service.proxy.owners import Owner
 from service.proxy.recorder import Call, Recorder
 from service.proxy.retries import RetryDetector, fingerprint
-from service.proxy.routing import conversation_unit, pick
+from service.proxy.routing import pick
 from service.proxy.sampler import opted_out
 from service.proxy.segments import classify_segment
 from service.proxy.sse import chat_has_output, reassemble
@@ -196,8 +196,7 @@ class Proxy:
         if route is not None:
             rc = self.config.routes[route]
             segment = classify_segment(body, headers.get("x-task-type"), rc.task_types)
-            unit = 0.0 if session_key else conversation_unit(client, body["messages"])
-            model_key, role = pick(route, self.book.routing[route], session_key, segment, unit)
+            model_key, role = pick(route, self.book.routing[route], session_key, segment, client, body["messages"])
         else:
             route, model_key, role = name, name, "stable"
             segment = classify_segment(body)

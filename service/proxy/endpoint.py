@@ -32,7 +32,7 @@ from service.proxy.outcome import COMPLETED, Verdict, failed, upstream_refused
 from service.proxy.owners import Owner, ResponseOwners
 from service.proxy.recorder import Call
 from service.proxy.retries import fingerprint
-from service.proxy.routing import conversation_unit, pick
+from service.proxy.routing import pick
 from service.proxy.sampler import opted_out
 from service.proxy.segments import classify_segment, user_turns
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
@@ -76,8 +76,8 @@ class FormatEndpoint:
                                        self.owners.conversation(body.get("previous_response_id")))
             proxy.refuse_other_api(name, fmt.provider_api)
             client = f"{client_authorization(headers) or ''}|{session_key or ''}"
-            unit = 0.0 if session_key else conversation_unit(client, view["messages"])
-            model_key, role = await self._pick(name, route, body, session_key, stateful, segment, unit)
+            model_key, role = await self._pick(name, route, body, session_key, stateful, segment,
+                                               (client, view["messages"]))
         except BadRequest as e:
             return e.response(fmt.error_response)
         except ClientDisconnect:
@@ -124,14 +124,14 @@ class FormatEndpoint:
         return await self.owners.wait(response_id, self.owner_wait_s)
 
     async def _pick(self, name: str, route: str | None, body: dict, session_key: str | None,
-                    stateful: str | None, segment: str, unit: float) -> tuple[str, Role]:
-        """(model key, role): by the split (`unit` places a request without a session), unless the
-        request refers to state one model holds."""
+                    stateful: str | None, segment: str, start: tuple[str, list]) -> tuple[str, Role]:
+        """(model key, role): by the split (`start`: the client and the messages that place a request
+        without a session), unless the request refers to state one model holds."""
         if route is None:
             return name, "stable"
         rc = self.proxy.config.routes[route]
         if stateful in (None, "background", "container", "mcp") or (stateful == "conversation" and rc.candidate is None):
-            return pick(route, self.proxy.book.routing[route], session_key, segment, unit)
+            return pick(route, self.proxy.book.routing[route], session_key, segment, *start)
         if stateful == "conversation":
             return rc.stable, "stable"
         response_id = body["previous_response_id"]
@@ -141,7 +141,7 @@ class FormatEndpoint:
         owner = await self.owners.wait(response_id, self.owner_wait_s if waits else 0.0)
         elsewhere = owner is not None and not owner.serves(route, rc)
         if (owner is None or elsewhere) and rc.candidate is None:  # one model: the one that stored what the route answered
-            return pick(route, self.proxy.book.routing[route], session_key, segment, unit)
+            return pick(route, self.proxy.book.routing[route], session_key, segment, *start)
         if owner is None or elsewhere or owner.model not in self.proxy.config.models:
             known = (f"was answered on route '{owner.route}', not '{route}'" if elsewhere and owner is not None else
                      f"was not answered through this proxy lately, so which of route '{route}''s models stores it "

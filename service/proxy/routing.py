@@ -33,17 +33,19 @@ def conversation_unit(client: str, messages: object) -> float:
     return unit_hash(*parts)
 
 
-def pick(route: str, split: Split, session_key: str | None, segment: str | None, unit: float) -> tuple[str, Role]:
+def pick(route: str, split: Split, session_key: str | None, segment: str | None, client: str,
+         messages: object) -> tuple[str, Role]:
     """(model key, role). A session never flips mid-way unless the weight changes; a request without
-    one is placed by `unit`, uniform in [0, 1) (`conversation_unit`). With rollout.scope segment the
-    request's segment has its own split (none yet: the stable model)."""
+    one is placed by its `client` and its conversation's start (`conversation_unit`), only when the
+    split has two arms. With rollout.scope segment the request's segment has its own split (none yet:
+    the stable model)."""
     if split.segments is not None and segment is not None:
         split = split.segments.get(segment, split)
     if split.canary is None or split.weight <= 0.0:
         return split.stable, "stable"
     if split.weight >= 1.0:
         return split.canary, "canary"
-    u = unit_hash(route, session_key) if session_key else unit
+    u = unit_hash(route, session_key) if session_key else conversation_unit(client, messages)
     return (split.canary, "canary") if u < split.weight else (split.stable, "stable")
 
 
