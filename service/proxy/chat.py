@@ -31,7 +31,7 @@ from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.records import PASSTHROUGH_SEGMENT, Role
 from service.rollout.book import RolloutBook
 from service.upstream.base import Provider, UpstreamReply
-from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields, in_answer_cause, json_object
+from service.upstream.errors import CLIENT_CAUSES, error_cause, error_fields, in_answer_cause, json_object, unexplained
 from service.upstream.model_settings import model_body
 from service.upstream.retry import RetryBudget, send_with_retries
 
@@ -372,9 +372,7 @@ class Proxy:
                                 headers=headers)
         if parsed is not None:  # the upstream's own JSON error, whatever its shape
             return Response(reply.body, status_code=reply.status, headers=headers, media_type="application/json")
-        text = reply.body[:500].decode("utf-8", "replace").strip()  # an HTML page, plain text: kept in the message
-        return openai_error(reply.status, f"upstream answered HTTP {reply.status}" + (f": {text}" if text else ""),
-                            code=call.verdict.cause, headers=headers)
+        return openai_error(reply.status, unexplained(reply.status, reply.body), code=call.verdict.cause, headers=headers)
 
     def refused_credentials(self, call: Call, error: ErrorResponse, headers: dict[str, str]) -> Response:
         """A 502, not the upstream's 401/403: the client's key is fine (SDKs would say it is not)."""

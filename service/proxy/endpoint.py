@@ -38,7 +38,7 @@ from service.proxy.segments import classify_segment, user_turns
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
 from service.records import Role
 from service.upstream.base import UpstreamReply
-from service.upstream.errors import json_object
+from service.upstream.errors import json_object, unexplained
 
 FORWARDED_REQUEST_HEADERS = ("anthropic-version", "anthropic-beta")
 
@@ -170,9 +170,7 @@ class FormatEndpoint:
             return proxy.refused_credentials(call, error, headers)
         if parsed is not None:  # the upstream's own JSON error, whatever its shape
             return Response(reply.body, status_code=reply.status, media_type="application/json", headers=headers)
-        text = reply.body[:500].decode("utf-8", "replace").strip()  # an HTML page, plain text: kept in the message
-        return error(reply.status, f"upstream answered HTTP {reply.status}" + (f": {text}" if text else ""),
-                     code=call.verdict.cause, headers=headers)
+        return error(reply.status, unexplained(reply.status, reply.body), code=call.verdict.cause, headers=headers)
 
     def _answered(self, call: Call, response: dict, view: dict) -> Verdict:
         """Classify an answer and note its usage; a stored answer's id is remembered right away, before

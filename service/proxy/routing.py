@@ -14,7 +14,8 @@ START_CHARS = 4096  # of each message that places a conversation: enough to tell
 
 def unit_hash(*parts: str) -> float:
     """A uniform number in [0, 1) from the parts, the same on every replica."""
-    digest = hashlib.blake2b("\x1f".join(parts).encode("utf-8", "surrogatepass"), digest_size=8).digest()  # JSON may hold lone surrogates
+    joined = "\x1f".join(parts).encode("utf-8", "surrogatepass")  # JSON text may hold lone surrogates
+    digest = hashlib.blake2b(joined, digest_size=8).digest()
     return int.from_bytes(digest, "big") / _SCALE
 
 

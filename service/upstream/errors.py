@@ -47,6 +47,12 @@ def json_object(raw: bytes) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def unexplained(status: int, body: bytes) -> str:
+    """The message for an upstream error that is no JSON: its start (an HTML page, plain text) kept."""
+    text = body[:500].decode("utf-8", "replace").strip()
+    return f"upstream answered HTTP {status}" + (f": {text}" if text else "")
+
+
 def error_fields(body: dict | None) -> tuple[str, str]:
     """(code or type, message) of an upstream error body, whatever its shape; empty when absent."""
     if not isinstance(body, dict):
