@@ -21,6 +21,14 @@ class Record(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
+class Conversation(Record):
+    """How long a Responses-API conversation was once an answer was stored: what the upstream holds for
+    a follow-up naming it (`previous_response_id`)."""
+
+    tokens: int
+    user_turns: int
+
+
 class OutcomeEvent(Record):
     schema_: Literal["modelcanary.outcome/v1"] = Field("modelcanary.outcome/v1", alias="schema")
     request_id: str
@@ -52,6 +60,9 @@ class OutcomeEvent(Record):
     allowed_routes: list[str] | None = None
     # Responses API: the id the upstream stored the answer under (replicas route follow-ups by it)
     response_id: str | None = None
+    # with response_id: the conversation's length by then, so that a follow-up on any replica falls in
+    # its segment (absent from older records: the follow-up is segmented from its own turn)
+    conversation: Conversation | None = None
 
 
 class PrimaryResult(Record):

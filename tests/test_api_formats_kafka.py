@@ -1,6 +1,6 @@
 """Kafka mode on a real broker (Tansu): a Responses-API follow-up sent to another replica still reaches
-the model that stored the response, learned from the `response_id` of the outcomes the first replica
-published."""
+the model that stored the response, and falls in its conversation's segment, learned from the
+`response_id` and `conversation` of the outcomes the first replica published."""
 
 from __future__ import annotations
 
@@ -114,3 +114,36 @@ def test_a_replica_is_ready_only_once_it_routes_on_the_rollout_states_of_the_top
         replica = servers.proxy(cfg, name=name, env=ENV)
         state = _admin(replica.url, "/admin/rollouts/support-bot")
         assert (state["phase"], state["version"]) == ("canary", promoted["version"])
+
+
+# a conversation's turns: short ones, then two long ones that are long_context only together
+CHAIN = ["hello there", "tell me more", "and then?", "word " * 3500, "more words " * 1400]
+CHAIN_SEGMENTS = ["chat", "chat", "multi_turn", "multi_turn", "long_context"]
+
+
+def _converse(clients: list[openai.OpenAI]) -> list[str]:
+    """CHAIN's turns as follow-ups (`previous_response_id`), turn i sent to clients[i % len]: the request
+    ids, in turn order."""
+    request_ids, previous = [], None
+    for i, text in enumerate(CHAIN):
+        raw = clients[i % len(clients)].responses.with_raw_response.create(
+            model="support-bot", input=text, **({"previous_response_id": previous} if previous else {}))
+        previous = raw.parse().id
+        request_ids.append(raw.headers["x-request-id"])
+    return request_ids
+
+
+def test_a_conversation_alternating_between_replicas_is_segmented_as_on_one_replica(kafka_broker, servers):
+    cfg = _kafka_config(servers.simulator().url, kafka_broker.bootstrap)
+    a = servers.proxy(cfg, name="proxy-a", env=ENV)
+    b = servers.proxy(cfg, name="proxy-b", env=ENV)
+    on_a, on_b = (openai.OpenAI(base_url=p.url + "/v1", api_key="sk-client", max_retries=0, timeout=10) for p in (a, b))
+    alone = _converse([on_a])
+    alternating = _converse([on_a, on_b])  # behind a load balancer: every follow-up on the other replica
+    topic = cfg["events"]["kafka"]["topic_prefix"] + ".outcomes"
+    deadline = time.monotonic() + 20
+    segments: dict[str, str] = {}
+    while not set(alone + alternating) <= segments.keys() and time.monotonic() < deadline:
+        segments = {o["request_id"]: o["segment"] for o in read_topic(kafka_broker.bootstrap, topic, timeout_s=5)}
+    assert [segments.get(r) for r in alone] == CHAIN_SEGMENTS
+    assert [segments.get(r) for r in alternating] == CHAIN_SEGMENTS

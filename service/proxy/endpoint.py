@@ -36,7 +36,7 @@ from service.proxy.routing import pick
 from service.proxy.sampler import opted_out
 from service.proxy.segments import classify_segment, user_turns
 from service.proxy.streaming import SSE_HEADERS, StreamRelay, client_gone
-from service.records import Role
+from service.records import Conversation, Role
 from service.upstream.base import UpstreamReply
 from service.upstream.errors import json_object, unexplained
 
@@ -71,13 +71,16 @@ class FormatEndpoint:
                                                            else None)
             stateful = fmt.stateful(body)
             view = fmt.view(body)
+            proxy.refuse_other_api(name, fmt.provider_api)
+            owner = None
+            if stateful == "previous_response_id" and route is not None:  # once known, with the conversation's length
+                owner = await self._stored_by(route, body["previous_response_id"])
             segment = classify_segment(view, headers.get("x-task-type"),
                                        proxy.config.routes[route].task_types if route is not None else (),
                                        self.owners.conversation(body.get("previous_response_id")))
-            proxy.refuse_other_api(name, fmt.provider_api)
             client = f"{client_authorization(headers) or ''}|{session_key or ''}"
-            model_key, role = await self._pick(name, route, body, session_key, stateful, segment,
-                                               (client, view["messages"]))
+            model_key, role = self._pick(name, route, body, session_key, stateful, segment,
+                                         (client, view["messages"]), owner)
         except BadRequest as e:
             return e.response(fmt.error_response)
         except ClientDisconnect:
@@ -123,10 +126,17 @@ class FormatEndpoint:
         """Who stored a response, waited for while another replica's outcome may still name it."""
         return await self.owners.wait(response_id, self.owner_wait_s)
 
-    async def _pick(self, name: str, route: str | None, body: dict, session_key: str | None,
-                    stateful: str | None, segment: str, start: tuple[str, list]) -> tuple[str, Role]:
+    async def _stored_by(self, route: str, response_id: str) -> Owner | None:
+        """Who stored the response a follow-up names on `route`, also once the route has no candidate (a
+        rollout ended by a reload): waited for while another replica's outcome may still name it."""
+        waits = self.proxy.config.routes[route].candidate is not None or self.owners.learning
+        return await self.owners.wait(response_id, self.owner_wait_s if waits else 0.0)
+
+    def _pick(self, name: str, route: str | None, body: dict, session_key: str | None, stateful: str | None,
+              segment: str, start: tuple[str, list], owner: Owner | None) -> tuple[str, Role]:
         """(model key, role): by the split (`start`: the client and the messages that place a request
-        without a session), unless the request refers to state one model holds."""
+        without a session), unless the request refers to state one model holds (`owner`: who stored
+        the response a follow-up names)."""
         if route is None:
             return name, "stable"
         rc = self.proxy.config.routes[route]
@@ -135,10 +145,6 @@ class FormatEndpoint:
         if stateful == "conversation":
             return rc.stable, "stable"
         response_id = body["previous_response_id"]
-        # the model that stored it, also once the route has no candidate (a rollout ended by a reload):
-        # waited for while another replica's outcome may still name it
-        waits = rc.candidate is not None or self.owners.learning
-        owner = await self.owners.wait(response_id, self.owner_wait_s if waits else 0.0)
         elsewhere = owner is not None and not owner.serves(route, rc)
         if (owner is None or elsewhere) and rc.candidate is None:  # one model: the one that stored what the route answered
             return pick(route, self.proxy.book.routing[route], session_key, segment, *start)
@@ -189,13 +195,15 @@ class FormatEndpoint:
         return fmt.classify(view, response, self.proxy._checks(call))
 
     def _remember(self, call: Call, response_id: str, view: dict) -> None:
-        """Who stored the answer, and the conversation's length by then: the upstream's count of its
-        input holds the turns before (an estimate from the text does not)."""
+        """Who stored the answer, and the conversation's length by then (also in its outcome, for the
+        other replicas): the upstream's count of its input holds the turns before (an estimate from the
+        text does not)."""
         tokens, turns = self.owners.conversation((call.request or {}).get("previous_response_id"))
         usage = call.usage
         if usage is not None:
             tokens = (tokens if usage.estimated else 0) + usage.total_input + usage.output
-        self.owners.remember(response_id, call.route, call.model_key, tokens, turns + user_turns(view["messages"]))
+        call.conversation = Conversation.model_construct(tokens=tokens, user_turns=turns + user_turns(view["messages"]))
+        self.owners.remember(response_id, call.route, call.model_key, tokens, call.conversation.user_turns)
 
     def _is_over(self, events: bytes) -> bool:
         """Whether events hold the stream's terminal event: the answer is whole, whatever follows."""

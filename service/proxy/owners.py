@@ -2,8 +2,8 @@
 (`previous_response_id`), and fetching, cancelling or deleting it by id, go to that model whatever
 the split says; and how long the conversation was by then (its tokens and user turns), so that the
 follow-up, which sends only its new turn, falls in the conversation's segment. Bounded: the oldest
-ids are forgotten first. In Kafka mode every replica learns the ids the others served from the
-`response_id` of their outcomes (the conversation's length only from its own answers)."""
+ids are forgotten first. In Kafka mode every replica learns the ids the others served, and the
+conversations' lengths, from the `response_id` and `conversation` of their outcomes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from service.recent import Recent
 from service.records import OutcomeEvent
 
 MEMORY = 100_000
-KAFKA_WAIT_S = 2.0  # how long a follow-up waits for another replica's outcome to name the model
+KAFKA_WAIT_S = 2.0  # how long a follow-up waits for another replica's outcome to name the model and length
 
 
 class Owner(NamedTuple):
@@ -85,6 +85,8 @@ async def follow_outcomes(sub: Subscription, owners: ResponseOwners, stop: async
                 # an outcome with a response_id is a request's, which names its model
                 if isinstance(record, OutcomeEvent) and record.response_id and record.model is not None \
                         and record.route is not None and owners.owner(record.response_id) is None:
-                    owners.remember(record.response_id, record.route, record.model)
+                    length = record.conversation  # None in a record of an older version
+                    tokens, turns = (length.tokens, length.user_turns) if length is not None else (0, 0)
+                    owners.remember(record.response_id, record.route, record.model, tokens, turns)
     finally:
         await sub.close()

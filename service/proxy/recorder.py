@@ -19,7 +19,7 @@ from service.proxy.formats.base import Usage, estimated_usage, token_count
 from service.proxy.outcome import Verdict
 from service.proxy.routing import session_hash
 from service.proxy.sampler import ShadowSampler
-from service.records import PASSTHROUGH_SEGMENT, OutcomeEvent, PrimaryResult, Role, TrafficEvent
+from service.records import PASSTHROUGH_SEGMENT, Conversation, OutcomeEvent, PrimaryResult, Role, TrafficEvent
 
 if TYPE_CHECKING:
     from service.tracing import CallSpan
@@ -34,7 +34,7 @@ _REQUEST_OUTCOME = OutcomeEvent.model_construct(
     request_id="", ts=0.0, route=None, model=None, role=None, segment=None, session_id_hash=None, outcome=None,
     cause=None, blame=None, latency_s=None, ttft_s=None, input_tokens=0, output_tokens=0, cost_usd=0.0,
     client_retry=False, upstream_retries=0, status=None, kind="request", success=None, reason=None,
-    response_id=None,
+    response_id=None, conversation=None,
 )
 
 
@@ -65,6 +65,7 @@ class Call:
     usage: Usage | None = None          # set by formats that read it themselves (Responses, Messages)
     stateful: bool = False              # depends on state the upstream keeps: never shadowed
     response_id: str | None = None      # the upstream's id for a stored answer (Responses API)
+    conversation: Conversation | None = None  # with response_id: the conversation's length by then
     view: dict | None = None            # the request's chat view, when `request` is another format
     chat: dict | None = None            # the answer's chat view, when `response` is another format (tracing on)
     headers: dict[str, str] | None = None  # the client's headers its shadow calls repeat (Messages' beta flags)
@@ -187,6 +188,7 @@ class Recorder:
             blame=verdict.blame, latency_s=call.latency_s, ttft_s=call.ttft_s, input_tokens=input_tokens,
             output_tokens=output_tokens, cost_usd=cost, client_retry=call.client_retry,
             upstream_retries=call.upstream_retries, status=call.status or None, response_id=call.response_id,
+            conversation=call.conversation,
         )))
         self._served.remember(call.request_id, (route, model, role, call.segment), sid)
         if call.span is not None:  # its content as chat views, whatever the API: what the model was asked
