@@ -124,11 +124,12 @@ def push(grafana_url: str, token: str | None = None, models: dict[str, dict] | N
 
 def main_build(out: str | None = None) -> int:
     try:
-        for path in write(out):
-            print(f"wrote {path}")
+        written = write(out)
     except OSError as e:
         print(f"error: --out {out}: cannot write there: {e.strerror or e}", file=sys.stderr)
         return 1
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 

@@ -383,13 +383,14 @@ def worker_count(text: str) -> int:
 
 
 def main(argv: list[str] | None, wiring: Wiring) -> int:
-    """Run one command; `modelcanary.compose.main` is the entry point that hands in the wiring."""
+    """Run one command; `modelcanary.compose.main` is the entry point that hands in the wiring (and
+    ends the process on a Ctrl-C)."""
     args = build_parser().parse_args(argv)
     args.wiring = wiring
     try:
-        return args.func(args) or 0
-    except KeyboardInterrupt:
-        return 130
+        code = args.func(args) or 0
+        sys.stdout.flush()  # a reader that stopped shows here, not in Python's own flush at exit
+        return code
     except BrokenPipeError:  # the reader stopped (`| head`): no traceback, the shell's code for SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail
         return 141
