@@ -33,7 +33,7 @@ from service.bus.kafka import KafkaBus, KafkaLeadership, KafkaSubscription
 from service.config import Config
 from service.records import RolloutState
 from service.rollout.book import RolloutBook
-from service.rollout.controller import GROUP, Controller
+from service.rollout.controller import GROUP, MAX_BATCH, Controller
 from service.rollout.follower import Follower
 
 log = logging.getLogger("modelcanary.controller")
@@ -128,6 +128,13 @@ async def resume_evidence(controller: Controller, bus: KafkaBus, stop: asyncio.E
     return n
 
 
+def open_intake(bus: KafkaBus) -> KafkaSubscription:
+    """The leader's outcomes and evaluations, up to MAX_BATCH waiting: a backlog (a `collect` worker
+    catching up) reaches the controller in full batches, each committed once it is in the evidence."""
+    return KafkaSubscription(bus, ["outcomes", "evaluations"], GROUP, sole_member_after_s=SOLE_MEMBER_AFTER_S,
+                             batch=MAX_BATCH)
+
+
 def leader_group(config: Config) -> str:
     """One leadership group per topic prefix: deployments that share a broker do not share a leader."""
     return f"{GROUP}-leader.{config.events.kafka.topic_prefix}"
@@ -182,8 +189,7 @@ async def lead(config: Config, bus: KafkaBus, book: RolloutBook, leadership: Kaf
     watcher = asyncio.create_task(watch(), name="leader-lease")
     controller = status.controller = Controller(config, bus, book)
     # joining the group goes on while the evidence is read back
-    sub = status.intake = KafkaSubscription(bus, ["outcomes", "evaluations"], GROUP,
-                                            sole_member_after_s=SOLE_MEMBER_AFTER_S)
+    sub = status.intake = open_intake(bus)
     log.info("leading (epoch %d): rebuilding the evidence", epoch)
     try:
         await resume_evidence(controller, bus, term.over)

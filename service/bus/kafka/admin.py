@@ -10,6 +10,7 @@ from kafka import KafkaAdminClient
 from kafka.errors import MessageSizeTooLargeError, RecordListTooLargeError
 
 from service.bus.base import KEYED_TOPICS, TOPICS, Topic
+from service.bus.kafka.internals import forbid_auto_create
 from service.config import KafkaConfig, KafkaSecurity
 
 log = logging.getLogger("modelcanary.bus.kafka")
@@ -85,7 +86,8 @@ def build_client(cls: type, **config: Any) -> Any:
     Their constructors make a network client (an epoll fd, a wake-up socket pair, an I/O thread) and
     then connect; when the connection fails (a broker that is down or answers nothing) they raise
     without closing it, and nothing can close it later. Every failed reconnect during an outage
-    would leak those. Here the network client is captured as it is made and closed on failure."""
+    would leak those. Here the network client is captured as it is made and closed on failure, and
+    given `allow_auto_create_topics=False` when asked for (see internals.forbid_auto_create)."""
     base = getattr(cls, "DEFAULT_CONFIG", {}).get("kafka_client")
     if base is None or "kafka_client" in config:
         return cls(**config)
@@ -94,6 +96,8 @@ def build_client(cls: type, **config: Any) -> Any:
     def network_client(**kw: Any) -> Any:
         client = base(**kw)
         made.append(client)
+        if kw.get("allow_auto_create_topics") is False:
+            forbid_auto_create(client)
         return client
 
     try:

@@ -17,9 +17,9 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from service import metrics
-from service.bus.base import Topic
+from service.bus.base import KEYED_TOPICS, Topic
 from service.bus.kafka.admin import broker_reachable, build_client, create_missing_topics, describe, key_text
-from service.bus.kafka.internals import finish_join, finish_stalled_join, topic_id
+from service.bus.kafka.internals import finish_join, finish_stalled_join, known_partitions, topic_id
 from service.records import LeaderRecord, Record, RolloutReport, RolloutState, load
 
 log = logging.getLogger("modelcanary.bus.kafka")
@@ -58,7 +58,8 @@ class KafkaSubscription:
     back-to-back waits of `join_wait_ms`, so none ends in the gap between two polls (kafka-python
     3.0 drops such a join and joins again: `internals.finish_join`). The interval is also the
     rebalance timeout a join waits for, which is why it stays small: joins take ~3 s.
-    When the buffer is full the partitions are paused. `group=None`: every partition, no group, no
+    When the buffer is full (`max_poll_records` × 4, or `batch`: the most records the caller takes
+    at a time, when it takes more) the partitions are paused. `group=None`: every partition, no group, no
     commits; from the beginning, or, with `latest_of` (keys), first each of those keys' latest record
     (read back from the end, see `_latest`) and then every new record; `caught_up` is set once those
     are buffered; with `tail` (a number of records), from about that many before each partition's end.
@@ -83,7 +84,7 @@ class KafkaSubscription:
 
     def __init__(self, bus: KafkaBus, topics: list[Topic], group: str | None,
                  latest_of: Collection[str] | None = None, tail: int | None = None,
-                 sole_member_after_s: float | None = None):
+                 sole_member_after_s: float | None = None, batch: int | None = None):
         self._bus = bus
         self.topics = topics
         self.group = group
@@ -96,7 +97,9 @@ class KafkaSubscription:
         self.unassigned_since: float | None = None  # monotonic; None while partitions are held
         self._names = {bus.names[t]: t for t in topics}
         self._label = group or "none"
-        self._max_buffer = self.max_poll_records * 4
+        if batch is not None:  # polls bring a quarter of it: a full batch waits while the previous one is worked on
+            self.max_poll_records = max(self.max_poll_records, batch // 4)
+        self._max_buffer = max(self.max_poll_records * 4, batch or 0)
         # (partition, offset, record); None for a record that does not decode: taken in its turn, unreturned
         self._buffer: deque[tuple[TopicPartition, int, Record | None]] = deque()
         self._lock = threading.Lock()
@@ -113,6 +116,7 @@ class KafkaSubscription:
         self._unreachable_warned_at = -UNREACHABLE_WARN_S
         self._next_lag = 0.0
         self._next_check = 0.0
+        self._partitions_seen: dict[str, int] = {}  # each topic's partitions when last seen in the metadata
         self.topic_ids: dict[str, object] = {}
         try:
             self._loop = asyncio.get_running_loop()
@@ -362,6 +366,7 @@ class KafkaSubscription:
 
     def _drop_consumer(self) -> None:
         consumer, self._consumer = self._consumer, None
+        self._partitions_seen.clear()  # a new consumer's metadata starts empty: nothing is lost then
         with self._lock:
             self._buffer.clear()  # not returned yet: they are fetched again from the committed offsets
         if consumer is not None:
@@ -410,6 +415,7 @@ class KafkaSubscription:
         if now < self._next_check:
             return
         self._next_check = now + 1.0
+        self._watch_topics(consumer)
         assigned = consumer.assignment()
         replaced: set[str] = set()
         ids: dict[str, object] = {}
@@ -438,6 +444,29 @@ class KafkaSubscription:
         if self.manual and self._shape_changed(consumer, assigned):
             log.info("consumer group %s: %s changed; reading every partition", self.group, ", ".join(sorted(self._names)))
             consumer.assign(self._every_partition(consumer))  # those held keep their positions
+
+    def _watch_topics(self, consumer: KafkaConsumer) -> None:
+        """A topic seen before and gone from the broker's metadata (a broker that came back empty) is
+        created again as the service creates it (admin.topic_settings), before any client's request
+        makes the broker create it with its own defaults; a keyed topic (rollouts, reports, control:
+        one ordered history) with several partitions, made by another client, is logged as an error."""
+        lost = []
+        for name in self._names:
+            parts = known_partitions(consumer, name)
+            if parts is None:
+                if self._partitions_seen.pop(name, None) is not None:
+                    lost.append(name)
+            elif self._partitions_seen.get(name) != len(parts):
+                self._partitions_seen[name] = len(parts)
+                if self._names[name] in KEYED_TOPICS and len(parts) > 1:
+                    log.error("%s has %d partitions, not 1 (not created by modelcanary: by the broker or another "
+                              "client); its records go to partition 0 only. Delete it, or recreate it with 1 "
+                              "partition and cleanup.policy=compact", name, len(parts))
+        if lost:
+            bus = self._bus
+            log.warning("%s gone from the broker (it came back empty?); creating the topics again",
+                        ", ".join(sorted(lost)))
+            create_missing_topics(bus._client_id, bus._client_config(), bus.names, bus.kafka)
 
     def _shape_changed(self, consumer: KafkaConsumer, assigned: set[TopicPartition]) -> bool:
         """Not every partition of every topic is assigned (a topic appeared, or came back with more)."""

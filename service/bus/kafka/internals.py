@@ -11,8 +11,6 @@ import time
 
 from kafka import KafkaConsumer, KafkaProducer
 
-from service.bus.kafka.admin import describe
-
 log = logging.getLogger("modelcanary.bus.kafka")
 
 
@@ -28,7 +26,19 @@ def force_close(producer: KafkaProducer) -> None:
             sender.join(2.0)
         producer.close(timeout=0 if sender is not None else 1)
     except Exception as e:
-        log.debug("producer close: %s", describe(e))
+        log.debug("producer close: %s: %s", type(e).__name__, e)
+
+
+def forbid_auto_create(network_client: object) -> None:
+    """Make a client's `allow_auto_create_topics=False` reach its metadata requests.
+
+    kafka-python 3.0 builds the cluster metadata (which writes those requests) without that setting,
+    so every request naming a topic asks the broker to create it: a broker that came back empty
+    then makes each topic a client reads or writes with its own defaults (Tansu: 4 partitions, not
+    compacted) before the service can create it as `admin.topic_settings` says."""
+    config = getattr(getattr(network_client, "cluster", None), "config", None)
+    if isinstance(config, dict) and "allow_auto_create_topics" in config:
+        config["allow_auto_create_topics"] = False
 
 
 def topic_id(consumer: KafkaConsumer, name: str) -> object | None:
@@ -40,6 +50,15 @@ def topic_id(consumer: KafkaConsumer, name: str) -> object | None:
         return getter(name) if getter else None
     except Exception:
         return None
+
+
+def known_partitions(consumer: KafkaConsumer, name: str) -> set[int] | None:
+    """The topic's partitions as the client's cluster metadata knows them, without asking the broker
+    (`KafkaConsumer.partitions_for_topic` asks, and raises for a topic the broker does not have);
+    None when the last metadata the client got does not have the topic."""
+    cluster = getattr(getattr(consumer, "_client", None), "cluster", None)
+    parts: set[int] | None = cluster.partitions_for_topic(name) if cluster is not None else None
+    return parts
 
 
 def finish_stalled_join(consumer: KafkaConsumer) -> bool:

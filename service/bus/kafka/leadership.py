@@ -1,8 +1,8 @@
 """Leadership through Kafka: the member of a consumer group that holds partition 0 of
 `{prefix}.control` leads; the others stand by and get the partition when it leaves or dies.
-Only partition 0 counts: the service creates the topic with one partition, but a broker that came
-back empty may have auto-created it with several when a client sent to it first (Tansu makes 4),
-and then every member would hold one.
+Only partition 0 counts: the service creates the topic with one partition, but another client may
+have made it with several (a broker's auto-creation: Tansu makes 4), and then every member would
+hold one (the subscription logs that as an error; the control records go to partition 0).
 
 The group uses the cooperative sticky assignor, so a member that joins or leaves does not take the
 partition away from the one that holds it (a standby starting up never interrupts the leader).
@@ -62,7 +62,6 @@ class KafkaLeadership(KafkaSubscription):
         self.joined = False    # a member of the group (its first join is complete)
         self._lease_until = 0.0
         self._warned = False
-        self._warned_partitions = False
 
     def owned(self) -> bool:
         """The control partition (0) is this member's, and was not revoked since the last claim."""
@@ -149,7 +148,6 @@ class KafkaLeadership(KafkaSubscription):
         now = time.monotonic()
         self.joined = self.joined or group_settled(consumer, 0.0)
         self._assigned = self._lead_partition() in consumer.assignment()
-        self._warn_partitions(consumer)
         if not self._assigned:
             self._lease_until = 0.0
             return
@@ -160,11 +158,3 @@ class KafkaLeadership(KafkaSubscription):
                 self._warned = True
             age = 0.0
         self._lease_until = now - age + self.lease_s
-
-    def _warn_partitions(self, consumer: KafkaConsumer) -> None:
-        name = self._lead_partition().topic
-        parts = consumer.partitions_for_topic(name) or set()
-        if len(parts) > 1 and not self._warned_partitions:
-            log.warning("%s has %d partitions (auto-created by the broker?): only partition 0 elects the "
-                        "leader; recreate it with one", name, len(parts))
-        self._warned_partitions = len(parts) > 1

@@ -42,7 +42,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaTimeoutError
 
 from service import metrics
-from service.bus.base import TOPICS, Topic, record_key
+from service.bus.base import KEYED_TOPICS, TOPICS, Topic, record_key
 from service.bus.kafka.admin import (
     _TOO_LARGE,
     broker_reachable,
@@ -77,6 +77,12 @@ class _Pending:
 def _encoded(topic: Topic, record: Record) -> tuple[str, bytes]:
     """The record's key and JSON value as sent to the broker."""
     return record_key(topic, record), json.dumps(dump(record), separators=(",", ":")).encode()
+
+
+def _partition(topic: Topic) -> int | None:
+    """A keyed topic's records all go to partition 0, its one ordered history, also when another client
+    made the topic with several partitions (the key would spread them); the others by their key."""
+    return 0 if topic in KEYED_TOPICS else None
 
 
 class KafkaBus:
@@ -202,7 +208,8 @@ class KafkaBus:
                                     allow_auto_create_topics=False, max_block_ms=int(timeout_s * 1000),
                                     **self._client_config())
             key, value = _encoded(topic, record)
-            producer.send(self.names[topic], key=key.encode(), value=value).get(timeout_s)
+            producer.send(self.names[topic], key=key.encode(), value=value,
+                          partition=_partition(topic)).get(timeout_s)
             return True
         except Exception as e:
             log.warning("sending a %s record failed: %s", topic, describe(e))
@@ -340,7 +347,8 @@ class KafkaBus:
             self._inflight[seq] = item
         try:
             assert self._producer is not None
-            future = self._producer.send(self.names[item.topic], key=item.key.encode(), value=item.value)
+            future = self._producer.send(self.names[item.topic], key=item.key.encode(), value=item.value,
+                                         partition=_partition(item.topic))
         except _TOO_LARGE as e:  # this record can never be sent; the producer is fine
             with self._lock:
                 self._inflight.pop(seq, None)
@@ -458,7 +466,8 @@ class KafkaBus:
         failure: BaseException | None = None
         for entry in batch.entries:
             try:
-                futures.append(producer.send(self.names[entry.topic], key=entry.key.encode(), value=entry.value))
+                futures.append(producer.send(self.names[entry.topic], key=entry.key.encode(), value=entry.value,
+                                             partition=_partition(entry.topic)))
             except _TOO_LARGE as e:
                 futures.append(e)
             except Exception as e:
