@@ -4,7 +4,7 @@ counts the chat template and the tools, and it is never what an identical candid
 is judged against (an A/A rollout was rolled back on cost).
 
 `llama_shaped` is a tiny upstream with llama's shape: a plain answer tells its usage, counting a chat
-template of its own; a streamed one tells none."""
+template of its own; a streamed one tells none (unless made to tell it when the client asks)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import openai
 import pytest
 
-from tests.fixtures.servers import QuietHandler, http_server, metric_value, scrape
+from tests.fixtures.servers import QuietHandler, canned_upstream, http_server, metric_value, scrape
 
 pytestmark = pytest.mark.timeout(120)
 T = TypeVar("T")
@@ -51,23 +51,32 @@ def plain(body: dict) -> bytes:
                                  "total_tokens": prompt + len(text) // 6}}).encode()
 
 
-def streamed(body: dict) -> bytes:
-    """Two characters a chunk (llama sends about a token a chunk), no usage whatever the client asked."""
+def streamed(body: dict, usage_when_asked: bool = False) -> bytes:
+    """Two characters a chunk (llama sends about a token a chunk), each of the `n` choices in turn; no
+    usage whatever the client asked, unless `usage_when_asked`: then a last chunk with the usage
+    (its own count, 6 characters a token) when the client asked for it (`stream_options.include_usage`)."""
     text, finish = answer(body)
     n = body.get("n") or 1
-    chunks = [{"index": i, "delta": {"content": text[k:k + 2]}} for k in range(0, len(text), 2) for i in range(n)]
-    chunks += [{"index": i, "delta": {}, "finish_reason": finish} for i in range(n)]
+    chunks = [{"choices": [{"index": i, "delta": {"content": text[k:k + 2]}}]}
+              for k in range(0, len(text), 2) for i in range(n)]
+    chunks += [{"choices": [{"index": i, "delta": {}, "finish_reason": finish}]} for i in range(n)]
+    if usage_when_asked and (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": n * (len(text) // 6),
+                                                "total_tokens": 9 + n * (len(text) // 6)}})
     return b"".join(b"data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 0,
-                                            "model": body["model"], "choices": [c]}).encode() + b"\n\n"
+                                            "model": body["model"], **c}).encode() + b"\n\n"
                     for c in chunks) + b"data: [DONE]\n\n"
 
 
 @contextlib.contextmanager
-def llama_shaped() -> Iterator[str]:
+def llama_shaped(usage_when_asked: bool = False, asked: list[dict] | None = None) -> Iterator[str]:
+    """The upstream's base URL; `asked` gets each request body it was sent."""
     class Handler(QuietHandler):
         def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
             body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
-            out = streamed(body) if body.get("stream") else plain(body)
+            if asked is not None:
+                asked.append(body)
+            out = streamed(body, usage_when_asked) if body.get("stream") else plain(body)
             time.sleep(0.02)  # a model's time to answer, the same for every call
             self.send_response(200)
             self.send_header("content-type", "text/event-stream" if body.get("stream") else "application/json")
@@ -171,6 +180,80 @@ def test_a_stream_without_usage_is_estimated_within_its_cap_with_its_template_an
     second = 8 + 4 + 3 + tools    # "What is the weather in Paris?" (29 characters)
     assert metric_value(text, "modelcanary_tokens_total", model="stable-m", type="input") == pytest.approx(
         first + second, abs=2)
+
+
+def recorded(url: str, model: str, n: int) -> str:
+    """The metrics once `n` requests of `model` are counted."""
+    return wait_for(lambda: t if metric_value(t := scrape(url), "modelcanary_requests_total", model=model) >= n
+                    else None)
+
+
+def choice_texts(chunks: Iterable) -> list[str]:
+    """The text of each choice of a streamed answer, by index."""
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    return [texts[i] for i in sorted(texts)]
+
+
+def ask(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def test_a_stream_of_several_choices_without_usage_counts_every_choice(servers):
+    """n > 1 from an upstream that tells no usage in streams: every choice's output is counted and
+    priced (each within the cap), not the first choice's alone."""
+    with llama_shaped() as url:
+        proxy = servers.proxy(aa_config(url, "m", shadow={"sample_rate": 0.0}))
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+        assert choice_texts(client.chat.completions.create(model="stable-m", stream=True, n=3,
+                                                           messages=ask("Where is my order?"))) == [ANSWER] * 3
+        text = recorded(proxy.url, "stable-m", 1)
+        assert metric_value(text, "modelcanary_tokens_total", model="stable-m", type="output") == 3 * 16  # 64 chars each
+        assert choice_texts(client.chat.completions.create(model="stable-m", stream=True, n=2, max_tokens=5,
+                                                           messages=ask("Where is my order?"))) == [ANSWER[:30]] * 2
+        text = recorded(proxy.url, "stable-m", 2)
+    output = metric_value(text, "modelcanary_tokens_total", model="stable-m", type="output")
+    assert output == 3 * 16 + 2 * 5  # the cap cut both choices: 5 tokens each
+    spent = metric_value(text, "modelcanary_tokens_total", model="stable-m", type="input")
+    assert metric_value(text, "modelcanary_cost_usd_total", model="stable-m") == pytest.approx(
+        (spent * PRICE["input_per_mtok"] + output * PRICE["output_per_mtok"]) / 1e6)
+
+
+def test_a_plain_answer_of_several_choices_without_usage_counts_every_choice(servers):
+    choices = [{"index": i, "message": {"role": "assistant", "content": ANSWER}, "finish_reason": "stop"}
+               for i in range(3)]
+    body = json.dumps({"id": "c1", "object": "chat.completion", "created": 0, "model": "m", "choices": choices})
+    with canned_upstream(body.encode()) as (url, _):
+        proxy = servers.proxy(aa_config(url + "/v1", "m", shadow={"sample_rate": 0.0}))
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+        reply = client.chat.completions.create(model="stable-m", n=3, messages=ask("Where is my order?"))
+        assert [c.message.content for c in reply.choices] == [ANSWER] * 3 and reply.usage is None
+        text = recorded(proxy.url, "stable-m", 1)
+    assert metric_value(text, "modelcanary_tokens_total", model="stable-m", type="output") == 3 * 16
+
+
+def test_a_client_that_asks_for_usage_gets_it_and_the_told_usage_is_what_counts(servers):
+    """`stream_options.include_usage`: the client gets the upstream's usage chunk, once and last, and
+    the tokens recorded are the upstream's count of every choice, not an estimate. A client that did
+    not ask gets no usage chunk, and the upstream is asked exactly what the client asked."""
+    asked: list[dict] = []
+    with llama_shaped(usage_when_asked=True, asked=asked) as url:
+        proxy = servers.proxy(aa_config(url, "m", shadow={"sample_rate": 0.0}))
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=10)
+        told = list(client.chat.completions.create(model="stable-m", stream=True, n=2, messages=ask("Where is my order?"),
+                                                   stream_options={"include_usage": True}))
+        recorded(proxy.url, "stable-m", 1)
+        untold = list(client.chat.completions.create(model="stable-m", stream=True, n=2,
+                                                     messages=ask("Where is my order?")))
+        text = recorded(proxy.url, "stable-m", 2)
+    assert choice_texts(told) == choice_texts(untold) == [ANSWER] * 2
+    assert told[-1].choices == [] and told[-1].usage is not None and told[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in told[:-1]) and all(c.usage is None and c.choices for c in untold)
+    assert asked[0]["stream_options"] == {"include_usage": True} and "stream_options" not in asked[1]
+    # told: 2 choices of 10 tokens (the upstream's own count); not told: estimated, 16 tokens a choice
+    assert metric_value(text, "modelcanary_tokens_total", model="stable-m", type="output") == 20 + 2 * 16
 
 
 @pytest.mark.timeout(300)

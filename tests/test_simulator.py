@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from service.config import ConfigError
+from service.proxy.segments import estimate_tokens
 from service.simulator.config import FAILURE_KINDS, load_simulator_config, parse_simulator_config, resolve
 from service.simulator.engine import REFUSAL_TEXT, InstanceGenerator
 from service.simulator.facts import read_facts
@@ -250,7 +251,7 @@ def test_models_list_and_openai_sdk_shapes(sdk):
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content and r.choices[0].message.refusal is None
     u = r.usage
-    assert u.completion_tokens == len(r.choices[0].message.content.split())
+    assert u.completion_tokens == estimate_tokens(len(r.choices[0].message.content))
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
 
 
@@ -558,8 +559,8 @@ def test_streaming_matches_non_streaming(sdk):
     assert read_facts(streamed) == read_facts(full.choices[0].message.content)  # the same facts, reworded
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["stop"]
-    # usage counts this call's own words (another call words the same facts differently)
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(streamed.split())
+    # usage counts this call's own text (another call words the same facts differently)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == estimate_tokens(len(streamed))
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
     without = list(sdk.chat.completions.create(model="a", messages=msgs("stream me"), stream=True))
@@ -657,3 +658,60 @@ def test_api_key_latency_and_phases(tmp_path):
         for c in (good, anon, wrong):
             c.close()
 
+
+
+# ---------------------------------------------------------------- usage agrees with the text
+
+
+def _usage_cases() -> list[tuple[str, dict]]:
+    """(API, request) for text, capped text, JSON, capped JSON, tool calls, refusals and truncations."""
+    out: list[tuple[str, dict]] = []
+    for i in range(12):
+        prompt = msgs(f"Tell me about my account, question {i}")
+        for model, extra in [("a", {}), ("a", {"max_tokens": 7}), ("a", {"response_format": {"type": "json_object"}}),
+                             ("a", {"response_format": {"type": "json_object"}, "max_tokens": 9}),
+                             ("a", {"tools": [WEATHER_TOOL, SEARCH_TOOL]}), ("a", {"tools": [SEARCH_TOOL], "max_tokens": 3}),
+                             ("div", {}), ("f-refusal", {}), ("f-truncated", {})]:
+            out.append(("chat", {"model": model, "messages": prompt, **extra}))
+            out.append(("chat", {"model": model, "messages": prompt, "n": 3, **extra}))
+            responses: dict = {"model": model, "input": prompt[0]["content"]}
+            messages: dict = {"model": model, "messages": prompt, "max_tokens": extra.get("max_tokens", 4096)}
+            if "max_tokens" in extra:
+                responses["max_output_tokens"] = extra["max_tokens"]
+            if "tools" in extra:
+                functions = [t["function"] for t in extra["tools"]]
+                responses["tools"] = [{"type": "function", **f} for f in functions]
+                messages["tools"] = [{"name": f["name"], "input_schema": f["parameters"]} for f in functions]
+            if "response_format" in extra:
+                responses["text"] = {"format": {"type": "json_object"}}
+            out += [("responses", responses), ("messages", messages)]
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_reported_output_tokens_match_the_text_as_the_proxy_counts_it(client, stream):
+    """Every API shape, streamed or not: the output tokens the simulator reports are its answer's
+    text counted as the proxy estimates an answer that tells no usage (4 characters a token, every
+    choice, a cap that cut the answer counted whole), so benchmarks and the demo cost what they say."""
+    from service.proxy.formats import CHAT, MESSAGES, RESPONSES, base
+
+    formats = {"chat": (CHAT, "/v1/chat/completions"), "responses": (RESPONSES, "/v1/responses"),
+               "messages": (MESSAGES, "/v1/messages")}
+    seen: dict[str, int] = {}
+    for api, body in _usage_cases():
+        fmt, path = formats[api]
+        if stream:
+            body = {**body, "stream": True, **({"stream_options": {"include_usage": True}} if api == "chat" else {})}
+        status, _, data = client.request("POST", path, body)
+        assert status == 200, data
+        response = fmt.reassemble(data).response if stream else json.loads(data)
+        assert response is not None
+        view = fmt.view(body)
+        told = fmt.usage(view, response)
+        assert not told.estimated, (api, body, response)
+        # the proxy takes a Messages answer cut short as cut by the cap: a truncation below it counts its text alone
+        below_cap = response.get("stop_reason") == "model_context_window_exceeded"
+        assert told.output == base.estimated_output({} if below_cap else view, fmt.chat_view(response)), \
+            (api, body, response)
+        seen[api] = seen.get(api, 0) + told.output
+    assert all(seen.get(api, 0) > 1000 for api in formats), seen

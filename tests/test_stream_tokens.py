@@ -335,3 +335,47 @@ def test_a_stream_cut_inside_an_event_sends_no_half_event_and_says_why(servers):
     assert len(events) == 2 and events[1].startswith(b"data: "), got
     assert json.loads(events[1][6:])["error"]["code"] == "bad_response"
     assert metric_value(text, "modelcanary_failures_total", model=model, cause="bad_response") == 1
+
+
+TEXT = "word " * 40  # 200 characters: 50 tokens at 4 characters a token
+TEXT_DONE = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": TEXT}]}
+
+
+def _messages_stream(start_usage: dict | None) -> bytes:
+    message = {"id": "m1", "type": "message", "role": "assistant", "content": [], "model": "c"}
+    return sse({"type": "message_start", "message": {**message, **({"usage": start_usage} if start_usage else {})}},
+               {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+               {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": TEXT}},
+               {"type": "content_block_stop", "index": 0},
+               {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None}},
+               {"type": "message_stop"}, named=True)
+
+
+UNTOLD_OUTPUT = {  # a whole stream whose upstream never told its output tokens: (events, input it told)
+    "responses": (sse({"type": "response.created", "response": {"id": "r1", "status": "in_progress", "output": []}},
+                      {"type": "response.output_item.added", "output_index": 0,
+                       "item": {"type": "message", "role": "assistant", "content": []}},
+                      {"type": "response.output_text.delta", "output_index": 0, "delta": TEXT},
+                      {"type": "response.output_item.done", "output_index": 0, "item": TEXT_DONE},
+                      {"type": "response.completed", "response": {"id": "r1", "object": "response", "status": "completed",
+                                                                  "output": [TEXT_DONE], "usage": None}}, named=True),
+                  0),
+    "messages": (_messages_stream(None), 0),
+    # input told at the start with the placeholder output count, and no final count in message_delta
+    "messages-input-told": (_messages_stream({"input_tokens": 25, "output_tokens": 1}), 25),
+}
+
+
+@pytest.mark.parametrize("case", list(UNTOLD_OUTPUT))
+def test_a_whole_stream_that_never_tells_its_output_tokens_counts_its_text(servers, case):
+    events, told_input = UNTOLD_OUTPUT[case]
+    api = case.split("-")[0]
+    with canned_upstream(events, "text/event-stream") as (url, _):
+        proxy, model, route = start_proxy(servers, url, api)
+        path, body, _ = CASES[api]
+        got = asyncio.run(stream_through(proxy.url + path, {"model": route, **body}))
+        text = wait_recorded(proxy.url, model)
+    assert got == events
+    assert metric_value(text, "modelcanary_requests_total", model=model, outcome="completed") == 1, text
+    assert metric_value(text, "modelcanary_tokens_total", model=model, type="output") == 50
+    assert metric_value(text, "modelcanary_tokens_total", model=model, type="input") == (told_input or 12)  # "tell me a long story": 5 tokens, 4 of template, 3 more

@@ -75,14 +75,28 @@ def _merge_tool_call(calls: dict[int, dict], delta: dict) -> None:
             call["function"][key] = part  # not text: kept as sent, for the verifiers to reject
 
 
+@dataclass(slots=True)
+class _Choice:
+    """One choice of a chat stream as its deltas came."""
+
+    content: list[str]
+    refusal: list[str]
+    calls: dict[int, dict]
+    finish: str | None = None
+
+    def completion(self, index: int) -> dict:
+        message: dict = {"role": "assistant", "content": "".join(self.content) if self.content else None,
+                         "refusal": "".join(self.refusal) if self.refusal else None}
+        if self.calls:
+            message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return {"index": index, "message": message, "finish_reason": self.finish}
+
+
 def reassemble(raw: bytes) -> Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per field of a chunk
-    """A chat stream as a non-streamed chat completion; `ended` once it gave a finish_reason or
-    `[DONE]`. An error event (its cause as DESIGN §6 names it) or unreadable data ends the reading:
-    the answer is what came before it."""
-    content: list[str] = []
-    refusal: list[str] = []
-    calls: dict[int, dict] = {}
-    finish = None
+    """A chat stream as a non-streamed chat completion, every choice (n > 1) by its index; `ended`
+    once every choice gave a finish_reason, or at `[DONE]`. An error event (its cause as DESIGN §6
+    names it) or unreadable data ends the reading: the answer is what came before it."""
+    choices: dict[int, _Choice] = {}
     usage = None
     model = None
     rid = None
@@ -115,28 +129,29 @@ def reassemble(raw: bytes) -> Reassembled:  # noqa: C901 - one pass over the SSE
         if chunk.get("usage"):
             usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            if not isinstance(choice, dict):
                 continue
-            delta = choice.get("delta")
-            if not isinstance(delta, dict):
+            index, delta = choice.get("index", 0), choice.get("delta")
+            if not isinstance(index, int) or not isinstance(delta, dict):
                 continue
+            state = choices.get(index)
+            if state is None:
+                state = choices[index] = _Choice([], [], {})
             if isinstance(delta.get("content"), str):
-                content.append(delta["content"])
+                state.content.append(delta["content"])
             if isinstance(delta.get("refusal"), str):
-                refusal.append(delta["refusal"])
+                state.refusal.append(delta["refusal"])
             tool_calls = delta.get("tool_calls")
             for tc in tool_calls if isinstance(tool_calls, list) else ():
                 if isinstance(tc, dict):
-                    _merge_tool_call(calls, tc)
+                    _merge_tool_call(state.calls, tc)
             if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
+                state.finish = choice["finish_reason"]
     broken = problem is not None
     if not saw_chunk:
         return Reassembled(None, saw_done, problem or "no chunks in the stream", cause, broken)
-    message: dict = {"role": "assistant", "content": "".join(content) if content else None,
-                     "refusal": "".join(refusal) if refusal else None}
-    if calls:
-        message["tool_calls"] = [calls[i] for i in sorted(calls)]
     response = {"id": rid, "object": "chat.completion", "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
-    return Reassembled(response, not broken and (saw_done or finish is not None), problem, cause, broken)
+                "choices": [choices[i].completion(i) for i in sorted(choices)] or [_Choice([], [], {}).completion(0)],
+                "usage": usage}
+    finished = bool(choices) and all(c.finish is not None for c in choices.values())
+    return Reassembled(response, not broken and (saw_done or finished), problem, cause, broken)

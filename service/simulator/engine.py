@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
-from service.proxy.segments import classify_segment, estimate_tokens, message_chars
+from service.proxy.segments import CHARS_PER_TOKEN, classify_segment, estimate_tokens, message_chars
 from service.simulator import judge
 from service.simulator.config import FAILURE_KINDS, Effective, SimModel, SimulatorConfig, resolve
 from service.simulator.facts import fact_count, facts, render, wrong_facts
@@ -149,6 +149,22 @@ def text_pieces(key: int, n: int) -> list[str]:
             pieces.append(" " + w if pieces else w)
         i = end
     return pieces
+
+
+def within(pieces: list[str], max_tokens: int | None) -> list[str] | None:
+    """The pieces cut to `max_tokens` counted as the proxy estimates tokens (4 characters a token),
+    None when they fit."""
+    if max_tokens is None or estimate_tokens(sum(len(p) for p in pieces)) <= max_tokens:
+        return None
+    out: list[str] = []
+    room = max_tokens * CHARS_PER_TOKEN
+    for p in pieces:
+        if len(p) >= room:
+            out.append(p[:room])
+            break
+        out.append(p)
+        room -= len(p)
+    return out
 
 
 def split_pieces(s: str, size: int = 4) -> list[str]:
@@ -454,10 +470,14 @@ class Answer:
     content: str | None
     pieces: list[str]              # content (or refusal / arguments) as stream deltas
     finish: str
-    tokens: int
     refusal: str | None = None
     tool_call: dict | None = None  # {"id", "type", "function": {"name", "arguments"}}
     legacy_function: bool = False  # answer with message.function_call (legacy `functions`)
+
+    @property
+    def tokens(self) -> int:
+        """Its usage: its text counted as the proxy estimates tokens, so usage and text agree."""
+        return estimate_tokens(sum(len(p) for p in self.pieces))
 
 
 class Engine:
@@ -669,12 +689,14 @@ class Engine:
         akey = self._answer_key(prompt_key, variant)
         wrong_key = _key(self.seed, "wrong", akey) if wrong else 0
         if failure == "content_filtered":
-            return Answer(content="", pieces=[], finish="content_filter", tokens=0)
+            return Answer(content="", pieces=[], finish="content_filter")
         if failure == "refusal":
-            return Answer(content=None, pieces=split_pieces(REFUSAL_TEXT, 8), finish="stop",
-                          tokens=estimate_tokens(len(REFUSAL_TEXT)), refusal=REFUSAL_TEXT)
+            pieces, finish = split_pieces(REFUSAL_TEXT, 8), "stop"
+            if (capped := within(pieces, max_tokens)) is not None:
+                pieces, finish = capped, "length"
+            return Answer(content=None, pieces=pieces, finish=finish, refusal="".join(pieces))
         if failure == "empty_output":
-            return Answer(content="", pieces=[], finish="stop", tokens=0)
+            return Answer(content="", pieces=[], finish="stop")
         if tool is not None and verdict is None:
             fn = tool.get("function") if not legacy else tool
             fn = fn if isinstance(fn, dict) else {}
@@ -687,11 +709,11 @@ class Engine:
             elif failure == "truncated":
                 args, finish = args[: len(args) // 2], "length"
             if max_tokens is not None and estimate_tokens(len(args)) > max_tokens:
-                args, finish = args[: max_tokens * 4], "length"
+                args, finish = args[: max_tokens * CHARS_PER_TOKEN], "length"
             call = {"id": f"call_{akey & 0xFFFFFFFFFFFF:012x}{next(self._ids) & 0xFFFFFFFFFFFF:012x}",
                     "type": "function", "function": {"name": fn.get("name", ""), "arguments": args}}
-            return Answer(content=None, pieces=split_pieces(args), finish=finish,
-                          tokens=max(1, estimate_tokens(len(args))), tool_call=call, legacy_function=legacy)
+            return Answer(content=None, pieces=split_pieces(args), finish=finish, tool_call=call,
+                          legacy_function=legacy)
         if json_mode or verdict is not None:
             rng = random.Random(akey ^ 0x3C6EF372 ^ wrong_key)
             if verdict is not None:
@@ -708,16 +730,15 @@ class Engine:
             elif failure == "truncated":
                 content, finish = content[: max(1, len(content) // 2)], "length"
             if max_tokens is not None and estimate_tokens(len(content)) > max_tokens:
-                content, finish = content[: max_tokens * 4], "length"
-            return Answer(content=content, pieces=split_pieces(content), finish=finish,
-                          tokens=max(1, estimate_tokens(len(content))))
+                content, finish = content[: max_tokens * CHARS_PER_TOKEN], "length"
+            return Answer(content=content, pieces=split_pieces(content), finish=finish)
         pieces = render(self._facts(eff, akey, wrong_key), wording)
         finish = "stop"
         if failure == "truncated":
             pieces, finish = pieces[: max(1, len(pieces) // 2)], "length"
-        if max_tokens is not None and len(pieces) > max_tokens:
-            pieces, finish = pieces[:max_tokens], "length"
-        return Answer(content="".join(pieces), pieces=pieces, finish=finish, tokens=len(pieces))
+        if (capped := within(pieces, max_tokens)) is not None:
+            pieces, finish = capped, "length"
+        return Answer(content="".join(pieces), pieces=pieces, finish=finish)
 
     def _chat_stream(self, cid: str, created: int, model: str, answers: list[Answer], usage: dict | None,
                      draw: Draw, latency: float) -> Reply:
@@ -829,11 +850,12 @@ class Engine:
             finish = "stop"
             if draw.failure == "truncated":
                 pieces, finish = pieces[: max(1, n // 2)], "length"
-            if max_tokens is not None and len(pieces) > max_tokens:
-                pieces, finish = pieces[:max_tokens], "length"
-        pieces = [" " + p if i == 0 else p for i, p in enumerate(pieces)]
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
-                 "total_tokens": prompt_tokens + len(pieces)}
+            pieces = [" " + p if i == 0 else p for i, p in enumerate(pieces)]
+            if (capped := within(pieces, max_tokens)) is not None:
+                pieces, finish = capped, "length"
+        completion_tokens = estimate_tokens(sum(len(p) for p in pieces))  # as the proxy estimates them
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
         cid = "cmpl-" + self._next_id()
         created = int(time.time())
         latency = max(draw.latency, draw.ttft)

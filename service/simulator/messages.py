@@ -94,6 +94,17 @@ def _chat_body(body: dict) -> dict:
     return chat
 
 
+def _input_tokens(tool_input: object) -> int:
+    """A tool_use block's output tokens as the proxy counts them: its input's JSON (a streamed input
+    that is not JSON, as its text)."""
+    if isinstance(tool_input, str):
+        try:
+            tool_input = json.loads(tool_input)
+        except ValueError:
+            return estimate_tokens(len(tool_input))
+    return estimate_tokens(len(json.dumps(tool_input)))
+
+
 def _cached_prefix(body: dict) -> list:
     """The blocks up to and including the last one marked `cache_control` (system, tools, messages)."""
     blocks: list = []
@@ -148,6 +159,8 @@ class MessagesEndpoint:
         usage["output_tokens"] = (chat.get("usage") or {}).get("completion_tokens", 0)
         content = self._content(body, message, finish)
         stop = self._stop(body, message, finish, usage)
+        if stop == "tool_use":  # the input this API carries, not the chat arguments it was parsed from
+            usage["output_tokens"] = _input_tokens(content[0]["input"])
         return replace(reply, body=translate.dumps(self._message(body, mid, content, stop, usage)).encode())
 
     # -------------------------------------------------------- rendering
@@ -212,6 +225,7 @@ class MessagesEndpoint:
         kind: str | None = None  # text | tool_use
         message: dict = {}
         finish = "stop"
+        arguments: list[str] = []  # the tool_use input's JSON as streamed
 
         def opening(block: dict) -> str:
             nonlocal kind
@@ -221,6 +235,8 @@ class MessagesEndpoint:
 
         def done() -> list[str]:
             stop = self._stop(body, message, finish, usage)
+            if stop == "tool_use":
+                usage["output_tokens"] = _input_tokens("".join(arguments))
             events = [] if kind is not None else [opening({"type": "text", "text": ""})]
             message_delta = {"type": "message_delta", "usage": usage,
                              "delta": {"stop_reason": stop, "stop_sequence": None}}
@@ -248,6 +264,7 @@ class MessagesEndpoint:
                                                "name": (tc.get("function") or {}).get("name"), "input": {}}))
                     piece = (tc.get("function") or {}).get("arguments") or ""
                     if piece:
+                        arguments.append(piece)
                         events.append(translate.named_event("content_block_delta", {
                             "type": "content_block_delta", "index": 0,
                             "delta": {"type": "input_json_delta", "partial_json": piece}}))

@@ -16,8 +16,8 @@ from typing import Protocol
 from starlette.responses import Response
 
 from service.config import Checks, ModelConfig
-from service.proxy.outcome import Verdict
-from service.proxy.segments import content_text, estimate_tokens, message_chars
+from service.proxy.outcome import Verdict, choice_chars
+from service.proxy.segments import estimate_tokens, message_chars
 from service.proxy.sse import Reassembled as Reassembled  # what each format's `reassemble` answers
 
 
@@ -29,7 +29,7 @@ class Usage:
     output: int
     cache_read: int = 0
     cache_write: int = 0
-    estimated: bool = False  # counted from the text by `estimated_usage`: the upstream told none
+    estimated: bool = False  # counted from the text (`estimated_usage`): the upstream told none, or not its output
 
     @property
     def total_input(self) -> int:
@@ -164,22 +164,6 @@ def untold_usage(view: dict, response: dict | None, chat: dict | None) -> Usage:
     """The usage of an answer that did not tell its own (`chat`: its chat view), estimated from the
     text; none without an answer (an upstream that refused or never answered bills none we know of)."""
     return Usage(0, 0) if response is None else estimated_usage(view, chat)
-
-
-def choice_chars(choice: object) -> int:
-    """Characters of text, refusal and tool arguments in one choice of a chat view."""
-    message = choice.get("message") if isinstance(choice, dict) else None
-    if not isinstance(message, dict):
-        return 0
-    chars = len(content_text(message.get("content")))
-    refusal = message.get("refusal")
-    chars += len(refusal) if isinstance(refusal, str) else 0
-    tool_calls = message.get("tool_calls")
-    for tc in tool_calls if isinstance(tool_calls, list) else ():
-        fn = tc.get("function") if isinstance(tc, dict) else None
-        arguments = fn.get("arguments") if isinstance(fn, dict) else None
-        chars += len(arguments) if isinstance(arguments, str) else 0
-    return chars
 
 
 def token_count(value: object) -> int:

@@ -34,7 +34,10 @@ ERROR_TYPES = {"overloaded_error": "provider_5xx", "api_error": "provider_5xx", 
 # a model's chat `params` -> Messages fields
 MESSAGES_PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "stop": "stop_sequences"}
-FINISH = {"tool_use": "tool_calls", "max_tokens": "length", "model_context_window_exceeded": "length"}
+# `length` is the cap's (usage estimates count such an answer as its cap): an answer cut short below
+# it keeps its own reason
+FINISH = {"tool_use": "tool_calls", "max_tokens": "length",
+          "model_context_window_exceeded": "model_context_window_exceeded"}
 
 
 def _view_messages(message: dict) -> list[dict]:
@@ -129,9 +132,13 @@ class MessagesFormat:
     def usage(self, view: dict, response: dict | None) -> base.Usage:
         usage = response.get("usage") if isinstance(response, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
-            return base.Usage(base.token_count(usage["input_tokens"]), base.token_count(usage.get("output_tokens")),
+            output = usage.get("output_tokens")
+            told = isinstance(output, int)  # a stream's count at its start is dropped: only the final one is told
+            return base.Usage(base.token_count(usage["input_tokens"]),
+                              base.token_count(output) if told else base.estimated_output(view, self.chat_view(response)),
                               cache_read=base.token_count(usage.get("cache_read_input_tokens")),
-                              cache_write=base.token_count(usage.get("cache_creation_input_tokens")))
+                              cache_write=base.token_count(usage.get("cache_creation_input_tokens")),
+                              estimated=not told)
         return base.untold_usage(view, response, self.chat_view(response))
 
     def reassemble(self, raw: bytes) -> base.Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per event type
@@ -154,7 +161,9 @@ class MessagesFormat:
             index = found if isinstance(found := event.get("index"), int) else 0
             if kind == "message_start" and isinstance(event.get("message"), dict):
                 message = dict(event["message"])
-                message["usage"] = dict(message.get("usage") or {})
+                started = message.get("usage")  # its output_tokens is a placeholder: message_delta tells the count
+                message["usage"] = {k: v for k, v in started.items() if k != "output_tokens"} \
+                    if isinstance(started, dict) else {}
             elif kind == "content_block_start" and isinstance(event.get("content_block"), dict):
                 blocks[index] = dict(event["content_block"])
             elif kind == "content_block_delta" and isinstance(event.get("delta"), dict):
