@@ -392,11 +392,14 @@ class Proxy:
         if result.problem is not None or response is None:
             return failed(result.cause, result.problem)
         call.response = response
-        finish = response["choices"][0].get("finish_reason")
+        choices = response["choices"]  # reassembled: each with its finish_reason, None if it told none
+        finish = choices[0]["finish_reason"]
         call.finish_reasons = [finish] if finish else []
+        if len(choices) > 1:  # n > 1: every choice's, as a plain answer's
+            call.finish_reasons = [c["finish_reason"] for c in choices if c["finish_reason"]]
         if clipped:
             return COMPLETED
-        if finish is None:  # e.g. a server that cut the answer short, with or without [DONE]
+        if len(call.finish_reasons) < len(choices):  # e.g. a server that cut the answer short, with or without [DONE]
             return failed("bad_response", "stream ended without a finish_reason")
         return judge(response, chunks=raw.count(b'"delta"'))  # a JSON key: in a string it would be escaped
 

@@ -142,8 +142,11 @@ class ResponsesFormat:
             details = usage.get("input_tokens_details")
             cached = base.token_count(details.get("cached_tokens")) if isinstance(details, dict) else 0
             total = base.token_count(usage["input_tokens"])
-            return base.Usage(max(0, total - cached), base.token_count(usage.get("output_tokens")),
-                              cache_read=min(cached, total))
+            output = usage.get("output_tokens")
+            told = isinstance(output, int)  # an input count alone: the output is estimated from the text
+            return base.Usage(max(0, total - cached),
+                              base.token_count(output) if told else base.estimated_output(view, self.chat_view(response)),
+                              cache_read=min(cached, total), estimated=not told)
         return base.untold_usage(view, response, self.chat_view(response))
 
     def reassemble(self, raw: bytes) -> base.Reassembled:  # noqa: C901 - one pass over the SSE events, a branch per event type
