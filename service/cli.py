@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("modelcanary")
 
-STARTUP_FAILURE = 3  # the exit code uvicorn gives `serve` when it cannot listen
+STARTUP_FAILURE = 3  # as uvicorn's: the service could not listen, or its startup failed
 
 
 class Wiring(Protocol):
@@ -134,6 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         sock = listening_socket(host, port)
+        sock.listen()  # the address is ours from here: another process could take a port only bound
     except OSError as e:  # one line naming where the address came from, before anything starts
         where = f"{'--host' if args.host else 'server.host'} {host}, {'--port' if args.port is not None else 'server.port'} {port}"
         print(f"error: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
@@ -158,7 +159,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = args.wiring.create_app(config, os.path.abspath(args.config))
     server = DrainingServer(uvicorn.Config(app, **common), app.state.runtime)
     tune_gc()
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:  # how uvicorn ends when the app's startup failed (it logged why)
+        if server.started:
+            raise
+    if not server.started:
+        print("error: the proxy did not start: its startup failed (the lines above say why)", file=sys.stderr)
+        return STARTUP_FAILURE
     return 0
 
 

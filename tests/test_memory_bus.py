@@ -66,7 +66,7 @@ def drops() -> tuple[float, float]:
 def test_a_full_traffic_queue_is_a_shadow_drop_only_when_it_is_the_shadow_workers():
     """Capture's recent traffic falling behind loses events, not shadow evaluations: the shadow
     workers still got every request, and shadow_dropped_total must not say otherwise."""
-    bus = MemoryBus(queue_size=2)
+    bus = MemoryBus(queue_size=2, reader_queue_size=2)  # capture's own bound as small, to fill it
     shadow = bus.subscribe(["traffic"], group=SHADOW_GROUP)
     bus.subscribe(["traffic", "outcomes"], group="modelcanary-capture")  # never read here: it fills up
 

@@ -13,13 +13,15 @@ A case is a live request with what the stable model answered (`live`), where it 
 
 `load(path)` validates every line and raises DatasetError with one "line N: field: reason" per
 problem; `write(path, cases)` writes a file that `load` reads back (`check_writable(path)` first
-tells whether it can).
+tells whether it can), replacing the old file only once the new one is whole.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -131,7 +133,7 @@ def fingerprint(route: str, request: dict) -> str:
     """The same question on the same route: a hash of the request without its delivery fields."""
     body = {k: v for k, v in request.items() if k not in _DELIVERY_FIELDS}
     text = json.dumps([route, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:16]  # a lone surrogate hashes too
 
 
 def _read(p: Path) -> str:
@@ -179,8 +181,13 @@ def load(path: str | Path) -> list[Case]:
 
 
 def line_of(case: Case) -> str:
-    return json.dumps(case.model_dump(mode="json", by_alias=True, exclude_none=True), ensure_ascii=False,
-                      separators=(",", ":"))
+    data = case.model_dump(mode="json", by_alias=True, exclude_none=True)
+    line = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    try:
+        line.encode()
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800" in a request): kept as its escape
+        return json.dumps(data, separators=(",", ":"))
+    return line
 
 
 def check_writable(path: str | Path) -> None:
@@ -194,23 +201,45 @@ def check_writable(path: str | Path) -> None:
         what = "does not exist" if not parent.exists() else "is not a directory"
         raise ValueError(f"cannot write {str(path)!r}: the directory {str(parent)!r} {what}")
     existed = p.exists()
+    probe = _beside(Path(os.path.realpath(p)))
     try:
         with open(p, "a", encoding="utf-8"):
             pass
+        with probe.open("x"):  # `write` needs a file of its own there
+            pass
     except OSError as e:
         raise ValueError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
+    finally:
+        probe.unlink(missing_ok=True)
     if not existed:
         p.unlink(missing_ok=True)
 
 
 def write(path: str | Path, cases: Iterable[Case]) -> int:
-    """Write the cases, one JSON object per line; returns how many."""
+    """Write the cases, one JSON object per line; returns how many. They go to a file beside `path`
+    that replaces it once complete: a write that fails or is interrupted leaves the old file as it was."""
+    target = Path(os.path.realpath(path))  # a symlinked golden set stays a link, to the new file
+    partial = _beside(target)
     n = 0
-    with open(path, "w", encoding="utf-8") as out:
-        for case in cases:
-            out.write(line_of(case) + "\n")
-            n += 1
+    try:
+        with partial.open("x", encoding="utf-8") as out:
+            for case in cases:
+                out.write(line_of(case) + "\n")
+                n += 1
+            out.flush()
+            os.fsync(out.fileno())
+        if target.exists():
+            os.chmod(partial, target.stat().st_mode & 0o7777)  # the curated file's permissions
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return n
+
+
+def _beside(path: Path) -> Path:
+    """A new hidden file's name in `path`'s directory: `write`'s new set until it is complete."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
 
 
 def stats(cases: list[Case]) -> dict:

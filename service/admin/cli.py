@@ -3,8 +3,8 @@
 Each function returns the process exit code: 0 on success, 1 with a one-line
 error on stderr for anything the operator can fix (unreachable URL, missing or
 wrong token, unknown route, a transition the phase does not allow, a server that
-is no modelcanary admin API), 2 for a `--url` that is not an http(s) URL or a
-token no HTTP header can carry (bad input, as argparse's own errors: nothing was sent).
+is no modelcanary admin API), 2 for a `--url` that is not an http(s) URL or is an OpenAI base URL
+(`.../v1`), or a token no HTTP header can carry (bad input, as argparse's own errors: nothing was sent).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class BadTokenError(AdminError):
 
 
 def check_url(flag: str, url: str) -> str:
-    """`url` when it is an http(s)://HOST[:PORT][/PATH] URL, else BadURLError naming the flag and value."""
+    """`url` when it is an http(s)://HOST[:PORT][/PATH] URL and not an OpenAI base URL (`.../v1`), else
+    BadURLError naming the flag and value."""
     hint = "give http://HOST:PORT, e.g. http://127.0.0.1:8080"
     shown = redacted_url(repr(url))  # a user:password@ in it is never printed
     try:
@@ -66,6 +67,10 @@ def check_url(flag: str, url: str) -> str:
         raise BadURLError(f"{flag}: {shown} is not an http(s) URL; {hint}")
     if any(c.isspace() or not c.isprintable() for c in url):
         raise BadURLError(f"{flag}: {shown} contains spaces or control characters; {hint}")
+    if parts.path.rstrip("/").endswith("/v1"):  # sent, /v1/admin/... would go upstream, the token with it
+        root = redacted_url(urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/")[:-3], "", "")))
+        raise BadURLError(f"{flag}: {shown} ends in /v1, the base URL of OpenAI clients; the admin API is at the "
+                          f"proxy's root: give {root}")
     return url
 
 

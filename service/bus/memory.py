@@ -4,6 +4,10 @@ Consumer lag in embedded mode is a subscription's queue depth: records offered b
 yet returned by `get_batch`, per topic and consumer group (`group=None` reads "none",
 as in Kafka mode). It is exported on `get_batch` and every `LAG_EVERY` offers, so a
 stalled consumer still shows its growing lag without a metrics call per publish.
+
+`events.queue_size` bounds the shadow workers' queue (what waits for them is sampled work they may
+drop). The other readers, the controller (its evidence) and capture's recent traffic, each get at
+least `READER_QUEUE_SIZE`: a small publish queue must not make them lose a burst they read a moment later.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
     from prometheus_client import Gauge
 
 LAG_EVERY = 256   # offers between two lag exports while nobody calls get_batch
+READER_QUEUE_SIZE = 65536  # the least a subscription other than the shadow workers' holds
 
 
 class MemorySubscription:
@@ -103,13 +108,15 @@ def _release(waiter: asyncio.Future[None]) -> None:
 
 
 class MemoryBus:
-    """One process: each subscription gets its own bounded queue; groups share one queue.
+    """One process: each subscription gets its own bounded queue; groups share one queue. The shadow
+    workers' holds `queue_size` records, every other at least `reader_queue_size`.
 
     Rollout states are kept (latest per route) so a late follower still sees them.
     """
 
-    def __init__(self, queue_size: int = 65536):
+    def __init__(self, queue_size: int = 65536, reader_queue_size: int = READER_QUEUE_SIZE):
         self._queue_size = queue_size
+        self._reader_queue_size = max(queue_size, reader_queue_size)
         self._subs: dict[Topic, list[MemorySubscription]] = {}
         self._groups: dict[tuple[str, tuple[Topic, ...]], MemorySubscription] = {}
         self._latest_rollouts: dict[str, Record] = {}
@@ -133,7 +140,8 @@ class MemoryBus:
         key = (group, tuple(topics)) if group else None
         if key and key in self._groups:
             return self._groups[key]
-        sub = MemorySubscription(self, list(topics), self._queue_size, group)
+        maxsize = self._queue_size if group == SHADOW_GROUP else self._reader_queue_size
+        sub = MemorySubscription(self, list(topics), maxsize, group)
         for t in topics:
             self._subs.setdefault(t, []).append(sub)
             entry = self._lag.get((t, sub.group))

@@ -24,12 +24,14 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 from aiohttp import web
 
 from service import metrics
 from service.bus.kafka import KafkaBus, KafkaLeadership, KafkaSubscription
+from service.cli import STARTUP_FAILURE
 from service.config import Config
 from service.records import RolloutState
 from service.rollout.book import RolloutBook
@@ -110,8 +112,19 @@ async def serve_health(config: Config, status: Status) -> web.AppRunner:
     app.router.add_get("/readyz", readyz)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.server.host, config.control.metrics_port).start()
+    try:
+        await web.TCPSite(runner, config.server.host, config.control.metrics_port).start()
+    except OSError:
+        await runner.cleanup()
+        raise
     return runner
+
+
+def listen_problem(config: Config, e: OSError) -> str:
+    """Why the health server could not listen, naming the fields its address comes from."""
+    reason = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)  # aiohttp's is long
+    return (f"cannot listen on server.host {config.server.host}, control.metrics_port {config.control.metrics_port}: "
+            f"{reason}")
 
 
 async def resume_evidence(controller: Controller, bus: KafkaBus, stop: asyncio.Event) -> int:
@@ -205,8 +218,7 @@ async def lead(config: Config, bus: KafkaBus, book: RolloutBook, leadership: Kaf
     return term.deposed_by
 
 
-async def control(config: Config) -> int:
-    stop = asyncio.Event()
+def stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -215,8 +227,17 @@ async def control(config: Config) -> int:
             pass
     loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP: `modelcanary control` reads its config at start "
                             "only; restart it (and `collect`) with the changed file, as the chart does")
+
+
+async def control(config: Config) -> int:
+    stop = asyncio.Event()
+    stop_on_signals(stop)
     status = Status()
-    runner = await serve_health(config, status)
+    try:
+        runner = await serve_health(config, status)
+    except OSError as e:  # before anything else starts: one line, and the exit code of `serve`'s
+        print(f"error: {listen_problem(config, e)}", file=sys.stderr)
+        return STARTUP_FAILURE
     events = config.events
     bus = KafkaBus(events.kafka, events.spool, events.queue_size)
     await bus.start()
