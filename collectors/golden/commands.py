@@ -16,7 +16,9 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,10 +42,11 @@ from collectors.golden.replay import (
 from service.admin.cli import AdminError, BadURLError, check_url, get_report
 from service.config import Config, ConfigError, load_config
 from service.judge.comparisons import MIN_COUNT_FOR_VERDICT
-from service.records import dump
+from service.records import EvaluationRecord, dump
 from service.rollout.controller import finite
 
 BAD_INPUT = 2
+RECORDS = "\x00records"   # where print_json puts the records in a body
 TOKEN_ENV = "MODELCANARY_ADMIN_TOKEN"
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -193,15 +196,29 @@ def replay(dataset_path: str, candidate: str, stable: str | None, repeats: int |
     code = BAD_INPUT if silent else 1 if worse else 0
     if as_json:
         body = {"schema": "modelcanary.replay/v1", "dataset": dataset_path, "candidate": candidate,
-                "exit_code": code, "routes": results, "routes_left_out": left_out,
-                "records": [dump(r) for rr in runs.values() for r in rr.records],
+                "exit_code": code, "routes": results, "routes_left_out": left_out, "records": RECORDS,
                 "repro": repro(runs, client, config, Path(dataset_path), repeats)}
-        print(json.dumps(finite(body), indent=2))
+        print_json(body, (r for rr in runs.values() for r in rr.records))
     else:
         print(f"replay: {_summary(code)}")
     for message in silent.values():
         print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def print_json(body: dict, records: Iterable[EvaluationRecord]) -> None:
+    """`body` as `json.dumps(finite(...), indent=2)` prints it, its RECORDS value the list of `records`,
+    each serialised on its own: a large replay's records as one document would take several times
+    the memory they take."""
+    head, tail = json.dumps(finite(body), indent=2).split(json.dumps(RECORDS))
+    out = sys.stdout
+    out.write(head)
+    sep = "[\n"
+    for record in records:
+        out.write(sep + textwrap.indent(json.dumps(finite(dump(record)), indent=2), "    "))
+        sep = ",\n"
+    out.write("[]" if sep == "[\n" else "\n  ]")
+    out.write(tail + "\n")
 
 
 def _summary(code: int) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -25,31 +25,34 @@ def console() -> Console:
 
 
 class Reporter:
-    """`progress(step, done, total)`: a rich bar per step when stderr is a terminal, else a line now and then."""
+    """`progress(step, done, total)`: a rich bar per step when stderr is a terminal, else a line now and
+    then. Steps may take turns (replay answers and evaluates window by window): each keeps its own count."""
 
     def __init__(self, label: str):
         self.label = label
         self.tty = sys.stderr.isatty()
         self._bar: Progress | None = None
-        self._task = None
-        self._next = 0
+        self._tasks: dict[str, TaskID] = {}
+        self._next: dict[str, int] = {}
 
     def __call__(self, step: str, done: int, total: int) -> None:
         if self.tty:
             if self._bar is None:
-                self._bar = Progress(TextColumn(f"{self.label} {step}"), BarColumn(), MofNCompleteColumn(),
+                self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), console=Console(stderr=True), transient=True)
                 self._bar.start()
-                self._task = self._bar.add_task(step, total=total)
-            self._bar.update(self._task, completed=done)
-            if done >= total:
+                self._tasks = {}
+            if step not in self._tasks:
+                self._tasks[step] = self._bar.add_task(f"{self.label} {step}", total=total)
+            self._bar.update(self._tasks[step], completed=done)
+            if all(task.finished for task in self._bar.tasks):
                 self.close()
             return
         if done == 0:
-            self._next = 0
-        if done >= self._next or done >= total:
+            self._next[step] = 0
+        if done >= self._next.get(step, 0) or done >= total:
             print(f"{self.label}: {step} {done}/{total} cases", file=sys.stderr, flush=True)
-            self._next = done + max(1, int(total * PLAIN_EVERY))
+            self._next[step] = done + max(1, int(total * PLAIN_EVERY))
 
     def close(self) -> None:
         if self._bar is not None:

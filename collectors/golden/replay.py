@@ -48,6 +48,7 @@ from service.upstream.model_settings import settings_record
 BOUNDARY = FixedBoundary()
 CHECKS_TEST = PairedMeanTest()
 Progress = Callable[[str, int, int], None]   # (step, cases done, cases)
+WINDOW_PER_SLOT = 8   # cases answered, then evaluated, together: this many per unit of `collect.concurrency`
 
 
 class ReplayInputError(Exception):
@@ -259,10 +260,12 @@ def _fresh_reference(record: EvaluationRecord) -> None:
 
 async def run(cases: list[Case], config: Config, candidate: str, stable: str | None, repeats: int | None,
               progress: Progress) -> tuple[dict[str, RouteRun], RecordingClient]:
-    """Replay every case (of those `servable` kept), in two steps: every case's candidate and stable
-    calls (`progress("answered", done, total)`), then every case's evaluation (`"evaluated"`). The
-    evaluations' work on the loop would otherwise delay the calls still in flight, and their
-    latencies would be discarded."""
+    """Replay every case (of those `servable` kept) window by window, each in two steps: its cases'
+    candidate and stable calls (`progress("answered", done, total)`), then their evaluations
+    (`"evaluated"`). The evaluations' work on the loop would otherwise delay the calls still in
+    flight, and their latencies would be discarded. Only a window's answers are held at a time:
+    `cases` is emptied as the replay goes, and a case's answers are let go once it is evaluated
+    (its record keeps the scores, checks and latencies the verdict needs)."""
     routes = {c.route for c in cases}
     cfg = replay_config(config, routes, candidate, stable, repeats)
     runs = {route: RouteRun(route, cfg.routes[route]) for route in sorted(routes)}
@@ -271,8 +274,9 @@ async def run(cases: list[Case], config: Config, candidate: str, stable: str | N
     worker = ShadowWorker(cfg, MemoryBus(), providers, evaluators=[*default_evaluators(live_is_recorded=True), checks])
     client = worker.client = RecordingClient(cfg, providers)
     version = cfg.version()
-    events = [_event(case, runs[case.route].stable, version) for case in cases]
     limit = asyncio.Semaphore(cfg.collect.concurrency)
+    window = WINDOW_PER_SLOT * cfg.collect.concurrency
+    total = len(cases)
 
     async def answer(event: TrafficEvent) -> None:
         async with limit:
@@ -290,8 +294,11 @@ async def run(cases: list[Case], config: Config, candidate: str, stable: str | N
             rr.records.append(record)
 
     try:
-        await _each("answered", events, answer, progress)
-        await _each("evaluated", events, evaluate, progress)
+        for done in range(0, total, window):
+            events = [_event(case, runs[case.route].stable, version) for case in cases[:window]]
+            del cases[:window]
+            await _each("answered", events, answer, progress, done, total)
+            await _each("evaluated", events, evaluate, progress, done, total)
     finally:
         await worker.embedders.aclose()
         for provider in providers.values():
@@ -303,17 +310,17 @@ async def run(cases: list[Case], config: Config, candidate: str, stable: str | N
 
 
 async def _each(step: str, events: list[TrafficEvent], work: Callable[[TrafficEvent], Awaitable[None]],
-                progress: Progress) -> None:
-    """`work` on every event at once (each bounded by its own semaphore), with progress."""
-    done = 0
-
+                progress: Progress, done: int, total: int) -> None:
+    """`work` on every event of a window at once (each bounded by its own semaphore), with progress
+    over the whole replay: `done` of its `total` cases went through this step before this window."""
     async def one(event: TrafficEvent) -> None:
         nonlocal done
         await work(event)
         done += 1
-        progress(step, done, len(events))
+        progress(step, done, total)
 
-    progress(step, 0, len(events))
+    if not done:
+        progress(step, 0, total)
     await asyncio.gather(*(one(e) for e in events))
 
 
