@@ -168,12 +168,14 @@ class Runtime:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_on_sighup)
 
     def _follow_owners(self) -> None:
-        """Kafka mode: learn which model stored each response any replica served, once a route may
-        split Responses traffic (a follow-up may reach any replica); from start or the reload that
-        adds a candidate. It starts from the outcomes topic's last OWNERS_TAIL records."""
+        """Kafka mode: learn which model stored each response any replica served, and how long its
+        conversation was, once a route serves the Responses API: a follow-up may reach any replica, and
+        falls in its conversation's segment whether or not the route has a candidate (and a reload that
+        adds one finds the conversations begun before). From start, or the reload that adds the first
+        such route; it starts from the outcomes topic's last OWNERS_TAIL records."""
         if self.config.events.backend != "kafka" or self._owners_task is not None:
             return
-        if any(rc.candidate and self.config.providers[self.config.models[rc.stable].provider].api == "openai"
+        if any(self.config.providers[self.config.models[rc.stable].provider].api == "openai"
                for rc in self.config.routes.values()):
             outcomes = cast("KafkaBus", self.bus).tail(["outcomes"], OWNERS_TAIL)
             self._owners_task = asyncio.create_task(follow_outcomes(outcomes, self.owners, self.stop),

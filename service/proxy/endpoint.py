@@ -74,7 +74,7 @@ class FormatEndpoint:
             proxy.refuse_other_api(name, fmt.provider_api)
             owner = None
             if stateful == "previous_response_id" and route is not None:  # once known, with the conversation's length
-                owner = await self._stored_by(route, body["previous_response_id"])
+                owner = await self.owner(body["previous_response_id"])
             segment = classify_segment(view, headers.get("x-task-type"),
                                        proxy.config.routes[route].task_types if route is not None else (),
                                        self.owners.conversation(body.get("previous_response_id")))
@@ -126,12 +126,6 @@ class FormatEndpoint:
         """Who stored a response, waited for while another replica's outcome may still name it."""
         return await self.owners.wait(response_id, self.owner_wait_s)
 
-    async def _stored_by(self, route: str, response_id: str) -> Owner | None:
-        """Who stored the response a follow-up names on `route`, also once the route has no candidate (a
-        rollout ended by a reload): waited for while another replica's outcome may still name it."""
-        waits = self.proxy.config.routes[route].candidate is not None or self.owners.learning
-        return await self.owners.wait(response_id, self.owner_wait_s if waits else 0.0)
-
     def _pick(self, name: str, route: str | None, body: dict, session_key: str | None, stateful: str | None,
               segment: str, start: tuple[str, list], owner: Owner | None) -> tuple[str, Role]:
         """(model key, role): by the split (`start`: the client and the messages that place a request
@@ -150,8 +144,8 @@ class FormatEndpoint:
             return pick(route, self.proxy.book.routing[route], session_key, segment, *start)
         if owner is None or elsewhere or owner.model not in self.proxy.config.models:
             known = (f"was answered on route '{owner.route}', not '{route}'" if elsewhere and owner is not None else
-                     f"was not answered through this proxy lately, so which of route '{route}''s models stores it "
-                     "is unknown")
+                     "was not stored (store: false) or not answered through this proxy lately, so which of route "
+                     f"'{route}''s models stores it is unknown")
             raise BadRequest(409, f"previous_response_id '{response_id[:100]}' {known}; send the conversation in "
                              "'input' instead", param="previous_response_id", code="previous_response_unknown")
         return owner.model, "stable" if owner.model == rc.stable else "canary"
@@ -180,12 +174,12 @@ class FormatEndpoint:
 
     def _answered(self, call: Call, response: dict, view: dict) -> Verdict:
         """Classify an answer and note its usage; a stored answer's id is remembered right away, before
-        the client can refer to it."""
+        the client can refer to it (an unstored one's is of no use to any follow-up)."""
         fmt = self.fmt
         call.response = response
         call.usage = fmt.usage(view, response)
         response_id = fmt.response_id(response)
-        if response_id is not None:
+        if response_id is not None and _stored(call.request, response):
             call.response_id = response_id
             self._remember(call, response_id, view)
         if call.span is not None:
@@ -233,3 +227,9 @@ class FormatEndpoint:
         if call.span is not None:
             call.chat = chat
         return seen
+
+
+def _stored(request: dict | None, response: dict) -> bool:
+    """Whether the upstream keeps an answer for follow-ups: as the answer says (`store`), else as asked."""
+    said = response.get("store")
+    return said if isinstance(said, bool) else (request or {}).get("store") is not False

@@ -35,7 +35,6 @@ class ResponseOwners:
         self._known: list[Owner] = []
         self._index: dict[Owner, int] = {}
         self._waiting: dict[str, list[asyncio.Future]] = {}
-        self.learning = False  # also from the other replicas' outcomes (Kafka mode, follow_outcomes)
 
     def remember(self, response_id: str, route: str, model_key: str, tokens: int = 0, turns: int = 0) -> None:
         owner = Owner(route, model_key)
@@ -78,7 +77,6 @@ class ResponseOwners:
 
 async def follow_outcomes(sub: Subscription, owners: ResponseOwners, stop: asyncio.Event) -> None:
     """Learn the response ids every replica served (Kafka mode), until `stop`."""
-    owners.learning = True
     try:
         while not stop.is_set():
             for record in await sub.get_batch(1000, 0.5):

@@ -1,8 +1,9 @@
 """OpenAI Responses API (`POST /v1/responses`).
 
 Outcomes: `status` `failed` takes its cause from `error.code`; `incomplete` from
-`incomplete_details.reason` (`max_output_tokens` is the client's `max_tokens` cause when the request
-set `max_output_tokens`, else `truncated`; `content_filter` is `content_filtered`); a completed
+`incomplete_details.reason` in chat's order (`content_filter` is `content_filtered`; else a refusal
+part is `refusal`; `max_output_tokens` is the client's `max_tokens` cause when the request set
+`max_output_tokens`, else `truncated`); a completed
 answer is checked like a chat answer (refusal parts, function-call arguments against the function
 tools, JSON and its schema for `text.format`). A model's settings go into Responses fields
 (`RESPONSES_PARAMS`; its system prompt goes first in `instructions`, which a follow-up does not
@@ -121,11 +122,14 @@ class ResponsesFormat:
         if status == "failed":
             err = found if isinstance(found := response.get("error"), dict) else {}
             return failed(in_answer_cause(err.get("code")), str(err.get("message") or "response failed")[:200])
-        if status == "incomplete":
+        if status == "incomplete":  # in chat's order: the content filter, a refusal, then the cap
             details = response.get("incomplete_details")
             reason = details.get("reason") if isinstance(details, dict) else None
             if reason == "content_filter":
                 return failed("content_filtered")
+            refusal = _refusal(response["output"])
+            if refusal:
+                return failed("refusal", refusal[:200])
             if reason == "max_output_tokens" and view.get("max_tokens") is not None:
                 return MAX_TOKENS
             return failed("truncated", f"incomplete: {reason}")
@@ -245,6 +249,17 @@ class ResponsesFormat:
     def response_id(self, response: dict | None) -> str | None:
         rid = response.get("id") if isinstance(response, dict) else None
         return rid if isinstance(rid, str) and rid else None
+
+
+def _refusal(output: list) -> str:
+    """The text of the refusal parts of an answer's messages ("" without any)."""
+    said = ""
+    for item in output:
+        if isinstance(item, dict) and item.get("type") == "message":
+            for part in item.get("content") or ():
+                if isinstance(part, dict) and part.get("type") == "refusal":
+                    said += str(part.get("refusal") or "")
+    return said
 
 
 def _unfinished(done: dict[int, dict], begun: dict[int, dict], deltas: dict[int, list[str]]) -> dict | None:
