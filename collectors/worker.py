@@ -47,6 +47,7 @@ from collectors.spend import OverBudget, SpendCap
 from service import __version__, metrics
 from service.bus import EventBus, Subscription, make_bus
 from service.bus.base import SHADOW_GROUP
+from service.cli import cannot_listen
 from service.config import Checks, Config, ModelConfig
 from service.proxy.formats import CHAT, ApiFormat, format_of
 from service.proxy.outcome import failed, upstream_refused
@@ -648,8 +649,11 @@ async def _collect(config: Config) -> int:
     workers: asyncio.Task | None = None
     runner = None
     try:
-        runner = await _serve_health(config.server.host, config.collect.metrics_port,
-                                     lambda: workers is not None and not workers.done())
+        try:
+            runner = await _serve_health(config.server.host, config.collect.metrics_port,
+                                         lambda: workers is not None and not workers.done())
+        except OSError as e:
+            return cannot_listen(f"server.host {config.server.host}, collect.metrics_port {config.collect.metrics_port}", e)
         await bus.start()
         log.info("collect: metrics on http://%s:%d/metrics", config.server.host, config.collect.metrics_port)
         workers = asyncio.create_task(run_workers(config, bus, providers, tracing, stop))
@@ -690,9 +694,5 @@ def main(config: Config) -> int:
         runner = asyncio.run
     try:
         return runner(_collect(config))
-    except OSError as e:
-        print(f"error: cannot listen on {config.server.host}:{config.collect.metrics_port} "
-              f"(collect.metrics_port): {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 0

@@ -36,14 +36,13 @@ def create_app(config: Config, config_path: str | None = None, workers: int = 1)
     return app.create_app(config, config_path, shadow_workers=run_in_child, workers=workers)
 
 
-def worker_app() -> FastAPI:
-    """uvicorn factory for `serve --workers N` (each worker process): the config path comes from
-    MODELCANARY_CONFIG, N from MODELCANARY_WORKERS; the GC is tuned as in one process."""
+def worker_app(config: Config, config_path: str, workers: int) -> FastAPI:
+    """One worker's app in `serve --workers N` (service.proxy.server.WorkerProcess), on the config the
+    supervisor checked; logging and the GC are set up as in one process."""
     from service import cli
-    from service.config import load_config
 
-    path = os.environ["MODELCANARY_CONFIG"]
-    application = create_app(load_config(path), path, workers=int(os.environ["MODELCANARY_WORKERS"]))
+    cli.configure_logging()
+    application = create_app(config, config_path, workers=workers)
     cli.tune_gc()
     return application
 

@@ -7,8 +7,11 @@ import gc
 import logging
 import math
 import os
+import shutil
+import socket
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,6 +26,7 @@ from service.config import (
 )
 
 if TYPE_CHECKING:
+    import uvicorn
     from fastapi import FastAPI
 
 log = logging.getLogger("modelcanary")
@@ -30,11 +34,19 @@ log = logging.getLogger("modelcanary")
 STARTUP_FAILURE = 3  # as uvicorn's: the service could not listen, or its startup failed
 
 
+def cannot_listen(where: str, e: OSError) -> int:
+    """Say on stderr that the address `where` (the fields or flags it came from) could not be listened
+    on, and why in a few words (aiohttp's own message is long); STARTUP_FAILURE."""
+    reason = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)
+    print(f"error: cannot listen on {where}: {reason}", file=sys.stderr)
+    return STARTUP_FAILURE
+
+
 class Wiring(Protocol):
     """What the commands need of `collectors`, handed in by the composition root
     (`modelcanary.compose`): this package never imports `collectors`."""
 
-    WORKER_FACTORY: str  # "module:function", the uvicorn factory of `serve --workers N`
+    WORKER_FACTORY: str  # "module:function" (config, its path, N) -> one worker's app in `serve --workers N`
 
     def create_app(self, config: Config, config_path: str | None = None) -> FastAPI: ...
 
@@ -85,7 +97,7 @@ def _priced(config: Config, model: str) -> bool:
     return price.input_per_mtok > 0 or price.output_per_mtok > 0
 
 
-def _logging(level: str = "INFO") -> None:
+def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
 
@@ -137,9 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.listen()  # the address is ours from here: another process could take a port only bound
     except OSError as e:  # one line naming where the address came from, before anything starts
         where = f"{'--host' if args.host else 'server.host'} {host}, {'--port' if args.port is not None else 'server.port'} {port}"
-        print(f"error: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
-        return STARTUP_FAILURE
-    _logging()
+        return cannot_listen(where, e)
+    configure_logging()
     for note in config_notes(config):
         log.warning(note)
 
@@ -148,12 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   timeout_graceful_shutdown=config.server.drain_seconds, proxy_headers=False,
                   server_header=False, date_header=False)
     if workers > 1:
-        os.environ["MODELCANARY_CONFIG"] = os.path.abspath(args.config)
-        os.environ["MODELCANARY_WORKERS"] = str(workers)
-        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="modelcanary-metrics-"))
-        sock.close()  # uvicorn's supervisor binds it again for its workers
-        uvicorn.run(args.wiring.WORKER_FACTORY, factory=True, workers=workers, **common)
-        return 0
+        return _serve_workers(args, config, sock, uvicorn.Config(args.wiring.WORKER_FACTORY, workers=workers, **common))
     from service.proxy.server import DrainingServer
 
     app = args.wiring.create_app(config, os.path.abspath(args.config))
@@ -170,9 +176,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_workers(args: argparse.Namespace, config: Config, sock: socket.socket, server: uvicorn.Config) -> int:
+    """`serve --workers N`: N worker processes on the one listening socket, their metrics summed in
+    PROMETHEUS_MULTIPROC_DIR (a directory of our own, removed at the end, unless one is given)."""
+    from service.proxy.server import HEALTHCHECK_S, Workers
+
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given and not os.path.isdir(given):
+        print(f"error: PROMETHEUS_MULTIPROC_DIR {given}: no such directory (serve --workers N keeps every "
+              "worker's metrics there)", file=sys.stderr)
+        return 1
+    own = None if given else tempfile.mkdtemp(prefix="modelcanary-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = given or own or ""
+    server.timeout_worker_healthcheck = HEALTHCHECK_S
+    path = os.path.abspath(args.config)
+    supervisor = Workers(server, [sock], config, path, partial(_reloaded, path))
+    try:
+        supervisor.run()
+    finally:
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+    if supervisor.startup_failed:
+        print("error: the proxy did not start: a worker's startup failed (the lines above say why)", file=sys.stderr)
+        return STARTUP_FAILURE
+    return 0
+
+
+def _reloaded(path: str, running: Config) -> Config:
+    """The file at `path` once more, for a SIGHUP to `serve --workers N`: checked as `serve` checks it at
+    start and as a reload does (what only a restart changes), else ConfigError."""
+    from service.proxy.app import start_only_changes
+
+    config = load_config(path)
+    problems = (environment_problems(config, proxy=True) + tls_file_problems(config)
+                + start_only_changes(running, config))
+    if problems:
+        raise ConfigError(path, problems)
+    return config
+
+
 def cmd_collect(args: argparse.Namespace) -> int:
     config = _config_or_exit(args.config)
-    _logging()
+    configure_logging()
     return args.wiring.collect(config)
 
 
@@ -180,7 +225,7 @@ def cmd_control(args: argparse.Namespace) -> int:
     from service.rollout.controller import main
 
     config = _config_or_exit(args.config)
-    _logging()
+    configure_logging()
     return main(config)
 
 

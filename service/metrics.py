@@ -209,6 +209,13 @@ def set_segment_rollout(route: str, segment: str, phase: str, weight: float) -> 
         rollout_segment_phase.labels(route, segment, p).set(1.0 if p == phase else 0.0)
 
 
+def worker_ended(pid: int) -> None:
+    """Multiprocess mode: a worker process has ended. Its live gauges (in-flight requests, spooled events,
+    consumer lag) leave the sums; its counters and histograms stay in them, so totals never go back."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.mark_process_dead(pid)
+
+
 def exposition() -> tuple[bytes, str]:
     """The /metrics body, aggregated over workers in multiprocess mode."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

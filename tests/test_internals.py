@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -131,6 +132,31 @@ def test_uvicorn_server_has_what_the_draining_server_overrides():
     assert server.should_exit is False and server.force_exit is False
     assert server.config.timeout_graceful_shutdown == 3
 
+
+
+def test_uvicorn_supervisor_has_what_serve_workers_overrides_and_reads():
+    """service/proxy/server.py Workers and WorkerProcess (`serve --workers N`)."""
+    from uvicorn.supervisors.multiprocess import Multiprocess, Process
+
+    for name, params in {"run": [], "init_processes": [], "keep_subprocess_alive": [], "handle_hup": [],
+                         "handle_ttin": [], "handle_ttou": []}.items():
+        assert list(inspect.signature(getattr(Multiprocess, name)).parameters)[1:] == params, f"Multiprocess.{name}"
+    for name, params in {"target": ["sockets"], "pong": [], "always_pong": [], "start": [], "join": [],
+                         "kill": [], "is_alive": ["timeout"], "wait_until_ready": ["timeout", "should_exit"]}.items():
+        assert list(inspect.signature(getattr(Process, name)).parameters)[1:] == params, f"Process.{name}"
+    assert {"pid", "exitcode"} <= {n for n in dir(Process) if isinstance(getattr(Process, n), property)}
+    from uvicorn.supervisors.multiprocess import SIGNALS
+
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:  # it takes the process's signals as it is made
+        supervisor = Multiprocess(uvicorn.Config(hello, workers=2), [])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert (supervisor.processes, supervisor.processes_num, supervisor.sockets) == ([], 2, [])
+    assert not supervisor.should_exit.is_set() and supervisor.config.timeout_worker_healthcheck > 0
+    process = Process(supervisor.config, [])
+    assert {"child_conn", "parent_conn", "process"} <= set(vars(process))
 
 async def hello(scope, receive, send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})

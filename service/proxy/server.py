@@ -6,8 +6,9 @@ tests/test_internals.py fails if they change shape): GuardedHttpToolsProtocol su
 `uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`, overriding its parser callbacks and
 reading `loop`, `transport` and `cycle.response_complete`, and setting `cycle.transport` (see
 JoinedHead); DrainingServer overrides
-`Server.handle_exit` and `Server.on_tick` and sets `should_exit`, `force_exit` and
-`config.timeout_graceful_shutdown`. What they buy: the 431/408 limits uvicorn lacks, one send per
+`Server.handle_exit`, `Server.startup` and `Server.on_tick` and sets `should_exit`, `force_exit` and
+`config.timeout_graceful_shutdown`, and closes `servers`; `serve --workers N` supervises its workers with
+subclasses of uvicorn's `Multiprocess` and `Process` (Workers, WorkerProcess). What they buy: the 431/408 limits uvicorn lacks, one send per
 whole response instead of two, chat requests answered below ASGI (`ChatCycle`, service/proxy/native.py,
 started through `_start_asgi_task` and the `pipeline` queue), and a drain that the proxy decides
 (readiness first, then in-flight work, bounded by server.drain_seconds).
@@ -17,21 +18,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import sys
+import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.importer import import_from_string
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
+from service import metrics
+from service.config import Config, ConfigError
 from service.errors import error_body
 from service.proxy.chat import header_map
 from service.proxy.fast_path import CHAT_PATH, ProxyApp
 from service.proxy.native import LEAVE_KEY, ChatAnswerer, ChatCycle, left_before_armed
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from service.proxy.app import Runtime
 
 log = logging.getLogger("modelcanary.serve")
@@ -266,6 +278,21 @@ class DrainingServer(uvicorn.Server):
         self.runtime = runtime
         self._drain_started: float | None = None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.config.workers > 1:  # a worker the supervisor replaces (SIGHUP) retires on RETIRE_SIGNAL
+            asyncio.get_running_loop().add_signal_handler(RETIRE_SIGNAL, self.retire)
+
+    def retire(self) -> None:
+        """A worker being replaced: it stops taking connections (its siblings and its replacement take
+        them, so no client is refused) and finishes what is in flight, as a drain does."""
+        if self._drain_started is None:
+            for listener in self.servers:
+                listener.close()
+            self._drain_started = time.monotonic()
+            log.info("retiring: %d request(s) in flight, up to %.0f s", self.runtime.proxy.in_flight,
+                     self.runtime.config.server.drain_seconds)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         proxy = self.runtime.proxy
         if self._drain_started is None:
@@ -289,6 +316,144 @@ class DrainingServer(uvicorn.Server):
                 self.config.timeout_graceful_shutdown = 0.1  # type: ignore[assignment]  # seconds; annotated int
                 self.should_exit = True
         return await super().on_tick(counter)
+
+
+RETIRE_SIGNAL = signal.SIGUSR1   # from the supervisor to a worker it replaced
+HEALTHCHECK_S = 30               # a worker must answer the supervisor's ping, and start, this soon: its
+                                 # imports alone take seconds on a busy machine (uvicorn's default is 5)
+WorkerFactory = Callable[[Config, str, int], "FastAPI"]  # (config, its path, N): one worker's app
+
+
+class WorkerProcess(Process):
+    """One worker of `serve --workers N`. Its app is built from the config the supervisor holds (checked
+    there, at start and at each SIGHUP), never from the file as it is now, so every worker, a replacement
+    too, runs the same config; it is served by a DrainingServer. A worker whose app cannot be built exits
+    with uvicorn's STARTUP_FAILURE, after one line saying why."""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket], app_config: Config,
+                 config_path: str) -> None:
+        self.app_config = app_config
+        self.config_path = config_path
+        super().__init__(config, sockets)
+
+    def pong(self) -> None:
+        self.child_conn.recv()
+        self.child_conn.send(self._server is not None and self._server.started)
+
+    def target(self, sockets: list[socket.socket] | None = None) -> None:  # in the worker process
+        threading.Thread(target=self.always_pong, daemon=True).start()
+        try:
+            factory: WorkerFactory = import_from_string(self.config.app)
+            app = factory(self.app_config, self.config_path, self.config.workers)
+        except (ConfigError, OSError) as e:
+            text = e.explain() if isinstance(e, ConfigError) else str(e)
+            log.error("worker %d did not start: %s", os.getpid(), text)
+            sys.exit(STARTUP_FAILURE)
+        except Exception:
+            log.exception("worker %d did not start", os.getpid())
+            sys.exit(STARTUP_FAILURE)
+        self.config.app, self.config.factory = app, False
+        self._server = DrainingServer(self.config, app.state.runtime)
+        self._server.run(sockets)
+
+
+class Workers(Multiprocess):
+    """uvicorn's supervisor of `serve --workers N` (a worker that dies is replaced, SIGTERM and SIGINT
+    stop all, SIGTTIN/SIGTTOU add or remove one), with what production needs of it:
+    - a worker whose startup fails stops them all, and `startup_failed` says so (never a restart loop);
+    - SIGHUP checks the file first (`reload`: the new config, or ConfigError): a bad one changes nothing;
+      then each worker is replaced by one on the new config, the old one retiring (RETIRE_SIGNAL);
+    - a worker that ended leaves the metrics (its in-flight requests no longer count)."""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket], app_config: Config,
+                 config_path: str, reload: Callable[[Config], Config]) -> None:
+        super().__init__(config, sockets)
+        self.app_config = app_config
+        self.config_path = config_path
+        self.reload = reload
+        self.retiring: list[Process] = []
+        self.startup_failed = False
+
+    def spawn(self) -> WorkerProcess:
+        process = WorkerProcess(self.config, self.sockets, self.app_config, self.config_path)
+        process.start()
+        return process
+
+    def init_processes(self) -> None:
+        self.processes = [self.spawn() for _ in range(self.processes_num)]
+
+    def run(self) -> None:
+        super().run()
+        for process in self.retiring:
+            process.join()
+            ended(process)
+
+    def keep_subprocess_alive(self) -> None:
+        for process in [p for p in self.retiring if not p.process.is_alive()]:
+            process.join()
+            ended(process)
+            self.retiring.remove(process)
+        if self.should_exit.is_set():
+            return
+        for idx, process in enumerate(self.processes):
+            if process.is_alive(timeout=self.config.timeout_worker_healthcheck):
+                continue
+            process.kill()  # hung, or gone
+            process.join()
+            ended(process)
+            if process.exitcode == STARTUP_FAILURE:
+                log.error("worker %s failed to start: stopping every worker", process.pid)
+                self.startup_failed = True
+                self.should_exit.set()
+                return
+            if self.should_exit.is_set():
+                return
+            log.warning("worker %s ended (exit code %s): starting another", process.pid, process.exitcode)
+            self.processes[idx] = self.spawn()
+
+    def handle_hup(self) -> None:
+        try:
+            config = self.reload(self.app_config)
+        except ConfigError as e:
+            log.error("SIGHUP: config not reloaded: %s", "; ".join(e.problems))
+            return
+        log.info("SIGHUP: restarting %d worker(s) with %s", len(self.processes), self.config_path)
+        running, self.app_config = self.app_config, config
+        for idx, old in enumerate(self.processes):
+            if self.should_exit.is_set():
+                return
+            new = self.spawn()
+            if not new.wait_until_ready(self.config.timeout_worker_healthcheck, self.should_exit):
+                new.kill()
+                new.join()
+                ended(new)
+                self.app_config = running  # a worker that dies from now on comes back as those left run
+                log.error("SIGHUP: a new worker did not start within %d s; %d of %d workers run the new file, "
+                          "the others the one before: send SIGHUP again", self.config.timeout_worker_healthcheck,
+                          idx, len(self.processes))
+                return
+            if old.process.is_alive() and old.pid is not None:
+                os.kill(old.pid, RETIRE_SIGNAL)
+            self.retiring.append(old)
+            self.processes[idx] = new
+
+    def handle_ttin(self) -> None:
+        self.processes_num += 1
+        self.processes.append(self.spawn())
+
+    def handle_ttou(self) -> None:
+        if self.processes_num > 1:
+            self.processes_num -= 1
+            process = self.processes.pop()
+            if process.process.is_alive() and process.pid is not None:
+                os.kill(process.pid, RETIRE_SIGNAL)
+            self.retiring.append(process)
+
+
+def ended(process: Process) -> None:
+    """A worker process that has ended (joined): what it was doing no longer counts in /metrics."""
+    if process.pid is not None:
+        metrics.worker_ended(process.pid)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -24,14 +24,13 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 
 from aiohttp import web
 
 from service import metrics
 from service.bus.kafka import KafkaBus, KafkaLeadership, KafkaSubscription
-from service.cli import STARTUP_FAILURE
+from service.cli import cannot_listen
 from service.config import Config
 from service.records import RolloutState
 from service.rollout.book import RolloutBook
@@ -118,13 +117,6 @@ async def serve_health(config: Config, status: Status) -> web.AppRunner:
         await runner.cleanup()
         raise
     return runner
-
-
-def listen_problem(config: Config, e: OSError) -> str:
-    """Why the health server could not listen, naming the fields its address comes from."""
-    reason = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)  # aiohttp's is long
-    return (f"cannot listen on server.host {config.server.host}, control.metrics_port {config.control.metrics_port}: "
-            f"{reason}")
 
 
 async def resume_evidence(controller: Controller, bus: KafkaBus, stop: asyncio.Event) -> int:
@@ -236,8 +228,7 @@ async def control(config: Config) -> int:
     try:
         runner = await serve_health(config, status)
     except OSError as e:  # before anything else starts: one line, and the exit code of `serve`'s
-        print(f"error: {listen_problem(config, e)}", file=sys.stderr)
-        return STARTUP_FAILURE
+        return cannot_listen(f"server.host {config.server.host}, control.metrics_port {config.control.metrics_port}", e)
     events = config.events
     bus = KafkaBus(events.kafka, events.spool, events.queue_size)
     await bus.start()
