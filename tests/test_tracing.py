@@ -647,20 +647,24 @@ def test_reloads_of_the_tracing_settings_leave_no_threads_behind(sim, receiver, 
         assert r.status_code == 200, r.text
         client.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": f"q {i}"}])
 
+    reloads = 16
     try:
-        for i in range(2):  # the threads a first reload and call start for good (an executor's)
+        for i in range(2):  # the threads a first reload and call start for good
             reload_and_call(i)
         baseline = threads_of(proxy.proc.pid)
-        for i in range(2, 10):
+        for i in range(2, 2 + reloads):
             reload_and_call(i)
+        # a tracer left behind keeps its exporter's threads (2 a reload before the fix); the loop's default
+        # executor may still add up to its bound of 6 threads on a busy machine, whatever the reloads
+        bound = baseline + 6
         deadline = time.monotonic() + 10
-        while threads_of(proxy.proc.pid) > baseline and time.monotonic() < deadline:
+        while threads_of(proxy.proc.pid) > bound and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert threads_of(proxy.proc.pid) <= baseline, f"threads {baseline} -> {threads_of(proxy.proc.pid)}"
+        assert threads_of(proxy.proc.pid) <= bound, f"threads {baseline} -> {threads_of(proxy.proc.pid)}"
     finally:
         proxy.stop()
-    chat_spans = [s for s in receiver.wait_spans(10) if s.name == "chat good-model"]
-    assert len(chat_spans) == 10  # every call's span was exported, also those of a retired tracer
+    chat_spans = [s for s in receiver.wait_spans(2 + reloads) if s.name == "chat good-model"]
+    assert len(chat_spans) == 2 + reloads  # every call's span was exported, also those of a retired tracer
 
 
 def test_sigterm_with_the_collector_down_exits_promptly(sim, tmp_path):
