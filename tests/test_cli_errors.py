@@ -39,12 +39,14 @@ def config(tmp_path):
     return write_yaml(tmp_path / "c.yaml", proxy_config(f"http://127.0.0.1:{free_port()}"))
 
 
-@pytest.fixture
-def golden(tmp_path):
+def one_case_golden_set(tmp_path):
     path = tmp_path / "golden.jsonl"
     dataset.write(path, [dataset.Case(request_id="a", route="support-bot",
                                       request={"messages": [{"role": "user", "content": "hi"}]})])
     return path
+
+
+golden = pytest.fixture(one_case_golden_set)
 
 
 @pytest.mark.parametrize(("url", "why"), BAD_URLS)

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from tests.fixtures.servers import CLI, ROOT, free_port, proxy_config, write_yaml
+from tests.test_cli_errors import one_case_golden_set
 
 IMPORT_TIME = "import time:"
 
@@ -176,14 +177,7 @@ def run(capsys, args: list[str]) -> int:
         capsys.readouterr()
 
 
-@pytest.fixture
-def golden(tmp_path):
-    from collectors.golden import dataset
-
-    path = tmp_path / "golden.jsonl"
-    dataset.write(path, [dataset.Case(request_id="a", route="support-bot",
-                                      request={"messages": [{"role": "user", "content": "hi"}]})])
-    return path
+golden = pytest.fixture(one_case_golden_set)
 
 
 def test_each_kind_of_failure_has_its_documented_exit_code(capsys, config, golden, tmp_path):

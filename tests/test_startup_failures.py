@@ -25,33 +25,20 @@ def run(capsys, args: list[str]) -> tuple[int | BaseException, str]:
     return code, capsys.readouterr().err
 
 
-def test_control_on_a_metrics_port_in_use_names_the_field_and_exits_3(capsys, tmp_path):
+@pytest.mark.parametrize("command", ["control", "collect"])
+def test_a_service_on_a_metrics_port_in_use_names_the_field_and_exits_3(capsys, tmp_path, command):
     cfg = proxy_config("http://127.0.0.1:9")
     cfg["events"] = {"backend": "kafka", "spool": {"dir": str(tmp_path / "spool")},
                      "kafka": {"bootstrap_servers": f"127.0.0.1:{free_port()}"}}
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         cfg["server"] = {"host": "127.0.0.1"}
-        cfg["control"] = {"metrics_port": port}
-        code, err = run(capsys, ["control", "--config", str(write_yaml(tmp_path / "c.yaml", cfg))])
-    assert err.strip() == f"error: cannot listen on server.host 127.0.0.1, control.metrics_port {port}: " \
+        cfg[command] = {"metrics_port": port}
+        code, err = run(capsys, [command, "--config", str(write_yaml(tmp_path / "c.yaml", cfg))])
+    assert err.strip() == f"error: cannot listen on server.host 127.0.0.1, {command}.metrics_port {port}: " \
                           "Address already in use"
     assert code == 3
 
-
-
-def test_collect_on_a_metrics_port_in_use_names_the_field_and_exits_3(capsys, tmp_path):
-    cfg = proxy_config("http://127.0.0.1:9")
-    cfg["events"] = {"backend": "kafka", "spool": {"dir": str(tmp_path / "spool")},
-                     "kafka": {"bootstrap_servers": f"127.0.0.1:{free_port()}"}}
-    with socket.create_server(("127.0.0.1", 0)) as taken:
-        port = taken.getsockname()[1]
-        cfg["server"] = {"host": "127.0.0.1"}
-        cfg["collect"] = {"metrics_port": port}
-        code, err = run(capsys, ["collect", "--config", str(write_yaml(tmp_path / "c.yaml", cfg))])
-    assert err.strip() == f"error: cannot listen on server.host 127.0.0.1, collect.metrics_port {port}: " \
-                          "Address already in use"
-    assert code == 3
 
 @pytest.fixture
 def serve_config(tmp_path):
