@@ -156,12 +156,12 @@ def test_sigterm_drains_every_worker_readyz_says_draining_and_streams_finish(ser
     `draining`, and nothing said the drain had begun."""
     sim = slow_simulator(servers)
     proxy = servers.proxy(kafka_config(sim.url, kafka_broker, drain_seconds=30), args=["--workers", "2"])
+    until(lambda: _readyz(proxy) == (200, {"status": "ready"}), 30, "ready")
     with ThreadPoolExecutor(8) as pool:
         calls = send(pool, proxy, 8)
         started = time.monotonic()
-        proxy.signal(signal.SIGTERM)
-        ready = until(lambda: (answer := _readyz(proxy))[0] != 200 and answer, 10, "/readyz while draining")
-        assert ready == (503, {"status": "draining"})
+        proxy.signal(signal.SIGTERM)  # a worker not caught up with the rollouts yet says so until it drains
+        until(lambda: _readyz(proxy) == (503, {"status": "draining"}), 10, "/readyz draining")
         assert [c.result() for c in calls] == ["ok"] * 8
     assert proxy.proc.wait(30) == 0
     assert time.monotonic() - started < ANSWER_S + 10
