@@ -393,10 +393,7 @@ class Proxy:
             return failed(result.cause, result.problem)
         call.response = response
         choices = response["choices"]  # reassembled: each with its finish_reason, None if it told none
-        finish = choices[0]["finish_reason"]
-        call.finish_reasons = [finish] if finish else []
-        if len(choices) > 1:  # n > 1: every choice's, as a plain answer's
-            call.finish_reasons = [c["finish_reason"] for c in choices if c["finish_reason"]]
+        call.finish_reasons = [c["finish_reason"] for c in choices if c["finish_reason"]]
         if clipped:
             return COMPLETED
         if len(call.finish_reasons) < len(choices):  # e.g. a server that cut the answer short, with or without [DONE]
