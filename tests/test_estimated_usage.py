@@ -145,7 +145,9 @@ def test_an_identical_candidate_on_streams_without_usage_costs_the_same_and_is_n
     compares the candidate with the stable model asked again, both measured, so the ratio is 1 and
     the controller, judging on its own, finds no cost regression."""
     n = 40
-    rollout = {"steps": [50], "min_shadow_samples": 30, "min_samples_per_step": 10000, "min_step_seconds": 0,
+    # held in shadow (a step would start the evidence over while the test reads it); a cost the judge
+    # finds worse still rolls back at once
+    rollout = {"steps": [50], "min_shadow_samples": 1000, "min_samples_per_step": 10000, "min_step_seconds": 0,
                "max_step_seconds": 600, "margins": {"cost_per_completion_ratio": 1.25}}
     with llama_shaped() as url:
         proxy = servers.proxy({**aa_config(url, "smollm2", rollout=rollout), "control": {"interval_s": 0.1}}, env=ENV)
