@@ -68,9 +68,17 @@ def kafka_config(sim_url: str, broker, drain_seconds: float = 30) -> dict:
 
 
 def workers_of(proxy: Server) -> set[int]:
-    """The pids of the worker processes (children of `serve` other than multiprocessing's tracker)."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proxy.proc.pid)], capture_output=True, text=True)
-    return {int(line.split()[0]) for line in out.stdout.splitlines() if "resource_tracker" not in line}
+    """The pids of the worker processes (children of `serve` other than multiprocessing's tracker), read
+    from /proc: `ps` cuts its lines at $COLUMNS and can drop the word that tells the tracker apart."""
+    workers = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == proxy.proc.pid and b"resource_tracker" not in (stat.parent / "cmdline").read_bytes():
+                workers.add(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):  # a process that ended while being read
+            continue
+    return workers
 
 
 def until(check: Callable[[], object], timeout_s: float = 60, what: str = "") -> object:
