@@ -118,6 +118,7 @@ class Scenario:
     truth: str = "same"                             # same | worse | better
     session_len: int = 0                            # requests per sticky session (0: independent requests)
     scope: str = "route"                            # rollout.scope: route | segment (each segment its own ramp)
+    shadow_slowdown: float = 1.0                    # a shadow call's latency over a live one's (the worker's path)
 
 
 SCENARIOS = [
@@ -132,6 +133,7 @@ SCENARIOS = [
     # evidence is thinnest (the promote side's guarantee is for every candidate at or beyond a margin)
     Scenario("margin", "tools −1 pt (on the margin), others same", (0.95, 0.95, 0.94), truth="worse"),
     Scenario("sessions", "A/A, 20-request sticky sessions", (0.95, 0.95, 0.95), session_len=20),
+    Scenario("shadow_path", "A/A, shadow calls 25% slower than live ones", (0.95, 0.95, 0.95), shadow_slowdown=1.25),
     # rollout.scope segment: tools should be rolled back, chat and json promoted, each on its own
     Scenario("tools_segment", "tools −8 pts, others +1.5, segment scope", (0.965, 0.965, 0.87), truth="worse",
              scope="segment"),
@@ -186,7 +188,7 @@ def arm_weights(w: np.ndarray) -> np.ndarray:
 class Traffic:
     """Per batch, per run: completed-latency histograms and failure counts, per segment and arm; with
     `batch`, also what a shadow sample of the stable's successful requests gives (the candidate and the
-    stable asked again on the same requests, the candidate's latency against the live stable answer)."""
+    stable asked again on the same requests, on the latency of both too)."""
 
     def __init__(self, scn: Scenario, rng: np.random.Generator):
         self.rng = rng
@@ -241,11 +243,12 @@ class Traffic:
         return pairs, n11 + n01
 
     def _latency_pairs(self, owner: np.ndarray, mu_s, sd_s, mu_c, sd_c, R: int) -> np.ndarray:
-        """Histograms (R, S, 4, B) of the pairs (owner = run × 3 + segment): the live stable answer's
-        latency, the candidate's, their minimum and maximum."""
+        """Histograms (R, S, 4, B) of the pairs (owner = run × 3 + segment): the latency of the stable
+        asked again, the candidate's, their minimum and maximum; both calls on the worker's path."""
         k = len(owner)
-        b_s = np.searchsorted(LOG_EDGES, mu_s + sd_s * self.rng.standard_normal(k), side="right")
-        b_c = np.searchsorted(LOG_EDGES, mu_c + sd_c * self.rng.standard_normal(k), side="right")
+        path = math.log(self.scn.shadow_slowdown)
+        b_s = np.searchsorted(LOG_EDGES, path + mu_s + sd_s * self.rng.standard_normal(k), side="right")
+        b_c = np.searchsorted(LOG_EDGES, path + mu_c + sd_c * self.rng.standard_normal(k), side="right")
         out = np.zeros(R * 3 * 4 * NB)
         base = owner * 4 * NB
         for j, b in enumerate((b_s, b_c, np.minimum(b_s, b_c), np.maximum(b_s, b_c))):

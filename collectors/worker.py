@@ -29,13 +29,15 @@ provider's own key (`api_key_env`) only; TrafficEvents carry none from the clien
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import random
 import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from collectors.evaluators import default_evaluators
 from collectors.evaluators.agreement import measure
@@ -445,16 +447,25 @@ class ShadowWorker:
         route = event.route
         rc = config.routes[route]
         stable_key = event.primary.model if event.primary.model in config.models else rc.stable
-        again_task = asyncio.ensure_future(
-            self.client.call(route, stable_key, event.request, link_traceparent=event.traceparent,
-                             client_headers=event.headers)
-        ) if rc.shadow.noise_floor else None
+        calls: list[tuple[str | None, Callable[[], Awaitable[ShadowCall]]]] = [
+            (key, functools.partial(self.client.call, route, key, event.request, link_traceparent=event.traceparent,
+                                    finish_span=False, share=key, client_headers=event.headers))
+            for key in rc.candidates]
+        if rc.shadow.noise_floor:
+            calls.append((None, functools.partial(self.client.call, route, stable_key, event.request,
+                                                  link_traceparent=event.traceparent, client_headers=event.headers)))
+        # started in a random order: on an upstream that serves one call at a time, no side waits more often
+        random.shuffle(calls)
+        started = {key: asyncio.ensure_future(call()) for key, call in calls}
+        again_task = started.pop(None, None)
         stable_side = StableSide(RecordCaller(self.client, event.traceparent, None, event.headers))
         try:
-            done = await asyncio.gather(*(self._one(event, key, stable_key, again_task, stable_side)
+            done = await asyncio.gather(*(self._one(event, key, stable_key, started[key], again_task, stable_side)
                                           for key in rc.candidates), return_exceptions=True)
         finally:
             stable_side.close()
+            for task in started.values():
+                _cancel_unawaited(task)
             if again_task is not None:
                 _noise_floor_ended(route, stable_key, again_task)
         records = [r for r in done if isinstance(r, EvaluationRecord)]
@@ -472,14 +483,13 @@ class ShadowWorker:
                 log.error("shadow evaluation of %s failed for one candidate: %r", event.request_id, result)
         return records
 
-    async def _one(self, event: TrafficEvent, candidate_key: str, stable_key: str,
+    async def _one(self, event: TrafficEvent, candidate_key: str, stable_key: str, call: asyncio.Future,
                    again_task: asyncio.Future | None, stable_side: StableSide) -> EvaluationRecord:
         request = event.request
         model = self.config.models[candidate_key]  # as asked (a reload may take it off meanwhile)
         candidate: ShadowCall | None = None
         try:
-            candidate = await self.client.call(event.route, candidate_key, request, link_traceparent=event.traceparent,
-                                               finish_span=False, share=candidate_key, client_headers=event.headers)
+            candidate = await call
             stable_again = await asyncio.shield(again_task) if again_task is not None else None
             return await self._score(event, stable_key, candidate, stable_again, stable_side)
         finally:
@@ -532,7 +542,7 @@ class ShadowWorker:
                         evaluator_versions={e.name: e.version for e in chosen}, params=params, seed=seed,
                         model_settings={key: settings_record(config.models[key])
                                         for key in (candidate_key, stable_key)}),
-            stable_latency_s=event.primary.latency_s, stable_cost_usd=stable_cost,
+            stable_latency_s=paired_stable_latency(event.primary, stable_again), stable_cost_usd=stable_cost,
         )
         if stable_again is not None:
             sv = stable_again.verdict
@@ -573,6 +583,16 @@ class ShadowWorker:
             metrics.shadow_evaluations_total.labels(route, candidate_key, result.name, outcome).inc()
             if span is not None:
                 span.evaluation(result.name, result.score, result.passed, result.detail)
+
+
+def paired_stable_latency(primary: PrimaryResult, stable_again: ShadowCall | None) -> float | None:
+    """The stable side of the candidate's latency pair: the stable model asked again when the noise
+    floor is on (the same path, at the same time, as the candidate's call: a shadow call is slower than
+    a live one for the worker's reasons, not the model's), else the live answer; None when the one asked
+    again failed or its latency was not the model's."""
+    if stable_again is None:
+        return primary.latency_s
+    return stable_again.latency_s if stable_again.verdict.ok else None
 
 
 def paired_stable_cost(config: Config, primary: PrimaryResult, stable_key: str,
@@ -668,6 +688,13 @@ async def _collect(config: Config) -> int:
         if runner is not None:
             await runner.cleanup()
     return 0
+
+
+def _cancel_unawaited(task: asyncio.Future) -> None:
+    """Cancel a candidate's call that no evaluation awaited (the worker stopped first)."""
+    if not task.done():
+        task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _noise_floor_ended(route: str, stable_key: str, task: asyncio.Future) -> None:

@@ -172,7 +172,8 @@ class EvaluationRecord(Record):
     repro: Repro
     # the stable model asked again (noise_floor): the fair reference for shadow failure rates
     stable_again: CandidateResult | None = None
-    # the live (stable) answer's latency, so shadow latency can be compared pairwise
+    # the stable side of the candidate's latency pair: stable_again's when the noise floor is on (the
+    # same worker's path and time as the candidate's call), else the live answer's
     stable_latency_s: float | None = None
     stable_cost_usd: float | None = None
 

@@ -180,7 +180,8 @@ def test_records_metrics_dedup_and_skips(sim):
         usage = r.candidate.usage
         assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
         assert r.candidate.cost_usd == pytest.approx((usage["prompt_tokens"] * 0.2 + usage["completion_tokens"] * 0.8) / 1e6)
-        assert r.stable_latency_s == e.primary.latency_s
+        # the latency pair's stable side: the stable asked again, on the candidate's path and at its time
+        assert r.stable_latency_s == r.stable_again.latency_s and r.stable_latency_s != e.primary.latency_s
         assert r.stable_cost_usd == pytest.approx((e.primary.usage["prompt_tokens"] * 0.4
                                                    + e.primary.usage["completion_tokens"] * 1.6) / 1e6)
         sim, agree = r.similarity, r.agreement

@@ -8,8 +8,9 @@ reservoir of latencies per segment and side (`RESERVOIR` values), three example 
 and the last `SEEN_MEMORY` request ids for de-duplication.
 
 Where "stable" comes from:
-- latency and cost: the live stable answer of the same request (`record.stable_latency_s`,
-  `record.stable_cost_usd`);
+- latency: the stable side of the record's latency pair (`record.stable_latency_s`: the stable
+  model asked again when the noise floor is on, else the live answer);
+- cost: the live stable answer of the same request (`record.stable_cost_usd`);
 - completion and failure rates: the stable model asked again on the same request (the noise
   floor replay, `record.stable_again`) when records carry it; otherwise the live answers, which
   are completed by construction (only requests the stable model served are shadowed), so stable
