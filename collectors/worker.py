@@ -457,17 +457,17 @@ class ShadowWorker:
         # started in a random order: on an upstream that serves one call at a time, no side waits more often
         random.shuffle(calls)
         started = {key: asyncio.ensure_future(call()) for key, call in calls}
-        again_task = started.pop(None, None)
+        again_task = started.get(None)
         stable_side = StableSide(RecordCaller(self.client, event.traceparent, None, event.headers))
         try:
             done = await asyncio.gather(*(self._one(event, key, stable_key, started[key], again_task, stable_side)
                                           for key in rc.candidates), return_exceptions=True)
         finally:
             stable_side.close()
+            if again_task is not None:
+                _noise_floor_counted(route, stable_key, again_task)
             for task in started.values():
                 _cancel_unawaited(task)
-            if again_task is not None:
-                _noise_floor_ended(route, stable_key, again_task)
         records = [r for r in done if isinstance(r, EvaluationRecord)]
         if records:  # one noise floor per request, whatever the candidates: counted once
             _observe_noise_floor(route, stable_key, records[0])
@@ -691,19 +691,16 @@ async def _collect(config: Config) -> int:
 
 
 def _cancel_unawaited(task: asyncio.Future) -> None:
-    """Cancel a candidate's call that no evaluation awaited (the worker stopped first)."""
+    """Cancel a shadow call nobody awaited (the worker stopped first, or no candidate waited for the
+    noise floor); its failure, if any, is the candidates' and counted there."""
     if not task.done():
         task.cancel()
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-def _noise_floor_ended(route: str, stable_key: str, task: asyncio.Future) -> None:
-    """Count the noise-floor call once it answered; cancel it when no candidate waited for it. Its
-    failure (over the budget) is the candidates' too, and counted there."""
-    if not task.done():
-        task.cancel()
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    elif not task.cancelled() and task.exception() is None:
+def _noise_floor_counted(route: str, stable_key: str, task: asyncio.Future) -> None:
+    """Count the noise-floor call if it answered."""
+    if task.done() and not task.cancelled() and task.exception() is None:
         metrics.shadow_requests_total.labels(route, stable_key, task.result().verdict.outcome).inc()
 
 
